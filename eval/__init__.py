@@ -1,0 +1,1 @@
+"""Evaluation tools run from the repo root: `python -m eval.<tool>`."""

@@ -1,0 +1,123 @@
+"""GGUF import: read a llama.cpp GGUF file, dequantize every tensor, and map it onto HF names.
+
+llama.cpp's converter permutes the rows of Llama q/k projections for its interleaved RoPE; we use
+HF's rotate-half RoPE, so those rows are permuted back here (Qwen GGUFs are stored unpermuted).
+Every tensor in the file must be consumed; anything unknown is an error naming the tensor.
+"""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+
+from hspec_jax.checkpoints.hf import CheckpointError, params_from_state_dict
+from hspec_jax.models.config import TargetConfig
+
+# GGUF architecture -> HF model_type, and whether llama.cpp permuted q/k rows on conversion.
+_ARCHITECTURES = {"llama": ("llama", True), "qwen3": ("qwen3", False), "qwen2": ("qwen2", False)}
+_TOP_LEVEL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_PER_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _field(reader: gguf.GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        if default is None:
+            raise CheckpointError(f"GGUF metadata key {key!r} is missing")
+        return default
+    return field.contents()
+
+
+def hf_config_from_gguf(reader: gguf.GGUFReader) -> dict:
+    """An HF-style `config.json` dict from GGUF metadata."""
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise CheckpointError(f"unknown GGUF architecture {arch!r}; supported: {sorted(_ARCHITECTURES)}")
+    if f"{arch}.rope.scaling.type" in reader.fields or "rope_freqs.weight" in {t.name for t in reader.tensors}:
+        raise CheckpointError(
+            "GGUF files with RoPE scaling (rope_freqs / rope.scaling.*) are not supported; "
+            "import the HF safetensors checkpoint instead"
+        )
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens.data) if tokens is not None else -1))
+    tensor_names = {t.name for t in reader.tensors}
+    cfg = {
+        "model_type": _ARCHITECTURES[arch][0],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names and arch != "qwen2",
+    }
+    for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+        if f"tokenizer.ggml.{name}_token_id" in reader.fields:
+            cfg[key] = int(_field(reader, f"tokenizer.ggml.{name}_token_id"))
+    return cfg
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved pairs -> rotate-half halves), per head."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def state_dict_from_gguf(reader: gguf.GGUFReader, config: TargetConfig) -> dict[str, np.ndarray]:
+    """Dequantized tensors (float32) under HF names, with Llama q/k rows un-permuted."""
+    permuted = _ARCHITECTURES[_field(reader, "general.architecture")][1]
+    state = {}
+    for tensor in reader.tensors:
+        name = tensor.name
+        if name in _TOP_LEVEL:
+            hf_name = _TOP_LEVEL[name]
+        else:
+            parts = name.split(".", 2)
+            if len(parts) != 3 or parts[0] != "blk" or parts[2] not in _PER_LAYER:
+                raise CheckpointError(f"unknown tensor {name!r} in GGUF file")
+            hf_name = f"model.layers.{int(parts[1])}.{_PER_LAYER[parts[2]]}"
+        value = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        value = value.reshape([int(d) for d in reversed(tensor.shape)])
+        if permuted and name.endswith(("attn_q.weight", "attn_q.bias")):
+            value = _unpermute(value, config.num_heads)
+        elif permuted and name.endswith(("attn_k.weight", "attn_k.bias")):
+            value = _unpermute(value, config.num_kv_heads)
+        state[hf_name] = value
+    return state
+
+
+def load_gguf_target(path: str, **config_overrides) -> tuple[TargetConfig, dict]:
+    """(config, params) from a GGUF file; weights are dequantized to `config.param_dtype`."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"GGUF file {path!r} does not exist")
+    reader = gguf.GGUFReader(path)
+    config = TargetConfig.from_hf(hf_config_from_gguf(reader), **config_overrides)
+    return config, params_from_state_dict(state_dict_from_gguf(reader, config), config)

@@ -1,0 +1,266 @@
+"""Hugging Face checkpoints: read and write `config.json` + safetensors (or `pytorch_model.bin`) directories.
+
+The name table `target_key_table` is the one place that maps HF tensor names to our parameter paths.
+Loading is strict: every tensor in the file must be consumed and every shape must match, otherwise a
+`CheckpointError` names the offending key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+
+import jax
+import numpy as np
+import safetensors.numpy
+
+from hspec_jax.models.config import TargetConfig
+from hspec_jax.models.decoder import init_params
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+TORCH_BIN = "pytorch_model.bin"
+TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+# Derived buffers some older checkpoints saved; they carry no learned state and are recomputed.
+_DERIVED_BUFFERS = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match what the model expects (missing/unknown key, wrong shape, bad path)."""
+
+
+def target_key_table(config: TargetConfig) -> dict[str, tuple[tuple[str, ...], bool]]:
+    """HF tensor name -> (parameter path, transpose?) for every parameter of the target."""
+    table = {
+        "model.embed_tokens.weight": (("embed_tokens", "embedding"), False),
+        "model.norm.weight": (("norm", "scale"), False),
+    }
+    if not config.tie_word_embeddings:
+        table["lm_head.weight"] = (("lm_head",), False)
+    for i in range(config.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers_{i}"
+        table[hf + "input_layernorm.weight"] = ((ours, "input_layernorm", "scale"), False)
+        table[hf + "post_attention_layernorm.weight"] = ((ours, "post_attention_layernorm", "scale"), False)
+        for proj, has_bias in (
+            ("q", config.qkv_bias),
+            ("k", config.qkv_bias),
+            ("v", config.qkv_bias),
+            ("o", config.o_bias),
+        ):
+            table[hf + f"self_attn.{proj}_proj.weight"] = (
+                (ours, "self_attn", f"{proj}_proj", "kernel"),
+                True,
+            )
+            if has_bias:
+                table[hf + f"self_attn.{proj}_proj.bias"] = (
+                    (ours, "self_attn", f"{proj}_proj", "bias"),
+                    False,
+                )
+        if config.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                table[hf + f"self_attn.{norm}.weight"] = ((ours, "self_attn", norm, "scale"), False)
+        for proj in ("gate", "up", "down"):
+            table[hf + f"mlp.{proj}_proj.weight"] = ((ours, "mlp", f"{proj}_proj", "kernel"), True)
+            if config.mlp_bias:
+                table[hf + f"mlp.{proj}_proj.bias"] = ((ours, "mlp", f"{proj}_proj", "bias"), False)
+    return table
+
+
+def params_from_state_dict(
+    state: Mapping[str, np.ndarray],
+    config: TargetConfig,
+    key_table: Mapping | None = None,
+    expected: dict | None = None,
+) -> dict:
+    """Strictly convert an HF-named state dict to our nested param dict of device arrays (`param_dtype`)."""
+    table = key_table if key_table is not None else target_key_table(config)
+    if expected is None:
+        expected = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    params: dict = {}
+    missing = [name for name in table if name not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), first: {missing[0]!r}")
+    for name, value in state.items():
+        if name in table:
+            continue
+        if name.endswith(_DERIVED_BUFFERS):
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            if not np.array_equal(np.asarray(value), np.asarray(state["model.embed_tokens.weight"])):
+                raise CheckpointError("config ties the embeddings but 'lm_head.weight' differs from the embedding")
+            continue
+        raise CheckpointError(f"unknown tensor {name!r} in checkpoint (not part of a {config.model_type} model)")
+    for name, (path, transpose) in table.items():
+        value = np.asarray(state[name])
+        if transpose:
+            value = value.T
+        want = _get(expected, path)
+        if tuple(value.shape) != tuple(want.shape):
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(np.shape(state[name]))}, expected "
+                f"{tuple(want.shape[::-1]) if transpose else tuple(want.shape)}"
+            )
+        _set(params, path, value.astype(want.dtype))
+    return jax.device_put(params)
+
+
+def state_dict_from_params(
+    params: dict, config: TargetConfig, key_table: Mapping | None = None, dtype=None
+) -> dict[str, np.ndarray]:
+    """Our param dict -> HF-named numpy arrays (`[out, in]` linears), optionally cast to `dtype`."""
+    table = key_table if key_table is not None else target_key_table(config)
+    out = {}
+    for name, (path, transpose) in table.items():
+        value = np.asarray(_get(params, path))
+        if transpose:
+            value = value.T
+        out[name] = np.ascontiguousarray(value.astype(dtype) if dtype is not None else value)
+    return out
+
+
+def _get(tree: Mapping, path: tuple[str, ...]):
+    for part in path:
+        tree = tree[part]
+    return tree
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for part in path[:-1]:
+        tree = tree.setdefault(part, {})
+    tree[path[-1]] = value
+
+
+def read_config(directory: str) -> dict:
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"no config.json in {directory!r}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_state_dict(directory: str) -> dict[str, np.ndarray]:
+    """All tensors of an HF directory: single or sharded safetensors, or (needs torch) pytorch_model.bin."""
+    files = list(_weight_files(directory))
+    state: dict[str, np.ndarray] = {}
+    for path in files:
+        part = _read_torch(path) if path.endswith(".bin") else safetensors.numpy.load_file(path)
+        overlap = state.keys() & part.keys()
+        if overlap:
+            raise CheckpointError(f"tensor {sorted(overlap)[0]!r} appears in more than one shard")
+        state.update(part)
+    return state
+
+
+def _weight_files(directory: str) -> Iterator[str]:
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"checkpoint directory {directory!r} does not exist")
+    for single, index in ((SAFETENSORS, SAFETENSORS_INDEX), (TORCH_BIN, TORCH_BIN_INDEX)):
+        if os.path.isfile(os.path.join(directory, single)):
+            yield os.path.join(directory, single)
+            return
+        if os.path.isfile(os.path.join(directory, index)):
+            with open(os.path.join(directory, index)) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            for shard in shards:
+                path = os.path.join(directory, shard)
+                if not os.path.isfile(path):
+                    raise CheckpointError(f"shard {shard!r} listed in {index} is missing")
+                yield path
+            return
+    raise CheckpointError(
+        f"no weights in {directory!r}: expected {SAFETENSORS}, {SAFETENSORS_INDEX}, {TORCH_BIN} or {TORCH_BIN_INDEX}"
+    )
+
+
+def _read_torch(path: str) -> dict[str, np.ndarray]:
+    try:
+        import torch
+    except ImportError as e:  # torch is an optional (test/conversion) dependency
+        raise CheckpointError(f"reading {path!r} needs PyTorch: pip install 'torch==2.13.0'") from e
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return {k: v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy() for k, v in state.items()}
+
+
+def load_hf_target(directory: str, **config_overrides) -> tuple[TargetConfig, dict]:
+    """(config, params) from an HF checkpoint directory."""
+    config = TargetConfig.from_hf(read_config(directory), **config_overrides)
+    return config, params_from_state_dict(read_state_dict(directory), config)
+
+
+def write_state_dict(
+    state: Mapping[str, np.ndarray], directory: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> list[str]:
+    """Write safetensors, one file or `model-0000i-of-0000n.safetensors` shards plus an index above the limit."""
+    os.makedirs(directory, exist_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in state:
+        nbytes = state[name].nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = state[name]
+        size += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        safetensors.numpy.save_file(shards[0], os.path.join(directory, SAFETENSORS), metadata=metadata)
+        return [SAFETENSORS]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards, strict=True):
+        safetensors.numpy.save_file(shard, os.path.join(directory, name), metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, name))
+    index = {"metadata": {"total_size": sum(v.nbytes for v in state.values())}, "weight_map": weight_map}
+    with open(os.path.join(directory, SAFETENSORS_INDEX), "w") as f:
+        json.dump(index, f, indent=2)
+    return names
+
+
+def export_hf_target(
+    params: dict,
+    config: TargetConfig,
+    directory: str,
+    *,
+    dtype=None,
+    tokenizer=None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> None:
+    """Write an HF directory (`config.json` + safetensors [+ tokenizer]) that `AutoModelForCausalLM` loads."""
+    state = state_dict_from_params(params, config, dtype=dtype)
+    hf_config = config.to_hf()
+    if dtype is not None:
+        hf_config["torch_dtype"] = str(np.dtype(dtype))
+    with staged_directory(directory) as staging:
+        write_state_dict(state, staging, max_shard_bytes)
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=2)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+
+
+def check_output_directory(directory: str) -> None:
+    """Refuse to write into an existing, non-empty directory."""
+    if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
+        raise CheckpointError(f"output directory {os.path.abspath(directory)!r} exists and is not empty")
+
+
+@contextlib.contextmanager
+def staged_directory(directory: str) -> Iterator[str]:
+    """Yield a staging directory that becomes `directory` only if the block succeeds (nothing half-written)."""
+    directory = os.path.abspath(directory)
+    check_output_directory(directory)
+    os.makedirs(os.path.dirname(directory), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".staging-", dir=os.path.dirname(directory))
+    try:
+        yield staging
+        if os.path.exists(directory):
+            os.rmdir(directory)
+        os.replace(staging, directory)
+    finally:
+        if os.path.exists(staging):
+            shutil.rmtree(staging)

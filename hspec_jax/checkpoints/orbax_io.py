@@ -1,0 +1,67 @@
+"""Orbax save/restore of converted target parameters, with the config and tokenizer beside them.
+
+A converted target is a directory:
+
+    DIR/hspec_target.json   {"format": "hspec-jax-target", "config": <HF-style config dict>}
+    DIR/params/             Orbax (StandardCheckpointer) pytree of the nested param dict
+    DIR/tokenizer/          the tokenizer and chat template (`save_pretrained`), when one was given
+
+Restoring checks the stored tree against the config's expected shapes and dtypes (strict).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+from hspec_jax.checkpoints.hf import CheckpointError, staged_directory
+from hspec_jax.models.config import TargetConfig
+from hspec_jax.models.decoder import init_params
+
+MANIFEST = "hspec_target.json"
+FORMAT = "hspec-jax-target"
+
+
+def is_orbax_target(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def save_target(directory: str, params: dict, config: TargetConfig, tokenizer=None) -> None:
+    """Write params (Orbax), config and optionally the tokenizer; the directory appears only when complete."""
+    with staged_directory(directory) as staging:
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(os.path.join(staging, "params"), params)
+        checkpointer.wait_until_finished()
+        if tokenizer is not None:
+            tokenizer.save_pretrained(os.path.join(staging, "tokenizer"))
+        with open(os.path.join(staging, MANIFEST), "w") as f:
+            json.dump({"format": FORMAT, "config": config.to_hf()}, f, indent=2)
+
+
+def restore_target(directory: str, **config_overrides) -> tuple[TargetConfig, dict]:
+    """(config, params) from a directory written by `save_target`."""
+    directory = os.path.abspath(directory)
+    if not is_orbax_target(directory):
+        raise CheckpointError(f"{directory!r} is not a converted hspec-jax target (no {MANIFEST})")
+    with open(os.path.join(directory, MANIFEST)) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{directory!r}: unknown format {manifest.get('format')!r}")
+    hf = manifest["config"]
+    config = TargetConfig.from_hf(hf, **{"param_dtype": hf.get("torch_dtype"), **config_overrides})
+    expected = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    stored_tree = ocp.StandardCheckpointer().metadata(os.path.join(directory, "params")).item_metadata.tree
+    want = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(expected)}
+    have = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(stored_tree)}
+    for key in sorted(want.keys() | have.keys()):
+        if key not in have:
+            raise CheckpointError(f"Orbax checkpoint is missing parameter {key}")
+        if key not in want:
+            raise CheckpointError(f"unknown parameter {key} in Orbax checkpoint")
+        if tuple(want[key]) != have[key]:
+            raise CheckpointError(f"parameter {key} has shape {have[key]}, expected {tuple(want[key])}")
+    params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), expected)
+    return config, params

@@ -1,0 +1,17 @@
+"""Decoding: sampling rules, plain autoregressive decoding, and the speculative draft-and-verify loop."""
+
+from hspec_jax.decoding.autoregressive import Generation, decode, generate, prefill
+from hspec_jax.decoding.batching import chat_prompt_ids, pad_batch
+from hspec_jax.decoding.sampling import SamplingConfig, probabilities, sample
+
+__all__ = [
+    "Generation",
+    "SamplingConfig",
+    "chat_prompt_ids",
+    "decode",
+    "generate",
+    "pad_batch",
+    "prefill",
+    "probabilities",
+    "sample",
+]

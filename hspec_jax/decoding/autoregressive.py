@@ -1,0 +1,134 @@
+"""Plain autoregressive decoding with the target: the baseline every speedup is measured against.
+
+`prefill` runs the prompt batch (right-padded, ragged lengths) through the target, commits each
+sequence's prompt rows, and samples the first new token. `decode` then loops on device
+(`lax.while_loop`), one target forward of one token per step, until every sequence has hit EOS,
+`max_new_tokens`, or the end of its cache. `generate` is the two together.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from hspec_jax.decoding.sampling import SamplingConfig, sample
+from hspec_jax.models.config import TargetConfig
+from hspec_jax.models.decoder import forward
+from hspec_jax.models.kv_cache import KVCache, check_capacity, commit, init_cache
+
+
+class Prefilled(NamedTuple):
+    cache: KVCache  # prompt rows committed
+    token: jax.Array  # [B] first generated token
+    logits: jax.Array  # [B, V] target logits at the last prompt position
+    hidden: tuple[jax.Array, ...]  # per requested tap, [B, T, D] hidden states of the prompt
+
+
+class Generation(NamedTuple):
+    tokens: jax.Array  # [B, max_new_tokens] int32; `pad_id` after each sequence's end
+    num_tokens: jax.Array  # [B] int32, tokens generated per sequence (EOS included)
+    cache: KVCache
+
+
+def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    """Elementwise: is the token one of `eos_ids`?"""
+    if not eos_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampling", "taps"), donate_argnames=("cache",))
+def prefill(
+    params: dict,
+    config: TargetConfig,
+    prompts: jax.Array,
+    lengths: jax.Array,
+    cache: KVCache,
+    rng: jax.Array,
+    sampling: SamplingConfig = SamplingConfig(),
+    taps: tuple[int, ...] = (),
+) -> Prefilled:
+    """prompts `[B, T]` right-padded with `lengths [B]` into an empty cache -> first token per sequence."""
+    out = forward(params, config, prompts, cache, taps, logit_indices=(lengths - 1)[:, None])
+    logits = out.logits[:, 0]
+    token = sample(rng, logits, sampling)
+    return Prefilled(commit(out.cache, lengths), token, logits, out.hidden)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "max_new_tokens", "sampling", "eos_ids", "pad_id"),
+    donate_argnames=("cache",),
+)
+def decode(
+    params: dict,
+    config: TargetConfig,
+    cache: KVCache,
+    first_token: jax.Array,
+    rng: jax.Array,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    eos_ids: tuple[int, ...] = (),
+    pad_id: int = 0,
+) -> Generation:
+    """Continue from `first_token [B]` (already generated, not yet in the cache) on device."""
+    batch = first_token.shape[0]
+    tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first_token)
+    num = jnp.ones((batch,), jnp.int32)
+    done = is_eos(first_token, eos_ids) | (num >= max_new_tokens) | (cache.lengths >= cache.capacity)
+
+    def cond(state):
+        step, _, _, _, _, done = state
+        return (step < max_new_tokens) & ~jnp.all(done)
+
+    def body(state):
+        step, tokens, cache, current, num, done = state
+        out = forward(params, config, current[:, None], cache)
+        cache = commit(out.cache, jnp.where(done, 0, 1))
+        nxt = sample(jax.random.fold_in(rng, step), out.logits[:, 0], sampling)
+        nxt = jnp.where(done, pad_id, nxt)
+        tokens = tokens.at[:, step].set(nxt)
+        num = num + jnp.where(done, 0, 1)
+        done = done | is_eos(nxt, eos_ids) | (num >= max_new_tokens) | (cache.lengths >= cache.capacity)
+        return step + 1, tokens, cache, nxt, num, done
+
+    state = (jnp.int32(1), tokens, cache, first_token, num, done)
+    _, tokens, cache, _, num, _ = jax.lax.while_loop(cond, body, state)
+    return Generation(tokens, num, cache)
+
+
+def generate(
+    params: dict,
+    config: TargetConfig,
+    prompts: jax.Array,
+    lengths: jax.Array,
+    *,
+    max_new_tokens: int,
+    rng: jax.Array | None = None,
+    sampling: SamplingConfig = SamplingConfig(),
+    eos_ids: tuple[int, ...] = (),
+    pad_id: int = 0,
+    cache_capacity: int | None = None,
+) -> Generation:
+    """Prefill then decode. `cache_capacity` defaults to the longest prompt plus `max_new_tokens`."""
+    capacity = cache_capacity or int(jnp.max(lengths)) + max_new_tokens
+    check_capacity(jax.device_get(lengths), 0, capacity)
+    rng = jax.random.key(0) if rng is None else rng
+    first_rng, loop_rng = jax.random.split(rng)
+    cache = init_cache(config, prompts.shape[0], capacity)
+    pre = prefill(params, config, prompts, lengths, cache, first_rng, sampling)
+    return decode(
+        params,
+        config,
+        pre.cache,
+        pre.token,
+        loop_rng,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+    )

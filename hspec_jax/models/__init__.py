@@ -1,0 +1,28 @@
+"""Target language models: config, decoder, RoPE and the KV cache the drafters read in place."""
+
+from hspec_jax.models.config import RopeScaling, TargetConfig, default_dtype
+from hspec_jax.models.decoder import (
+    Decoder,
+    DecoderOutput,
+    embedding_matrix,
+    forward,
+    init_params,
+    lm_head_matrix,
+)
+from hspec_jax.models.kv_cache import KVCache, check_capacity, commit, init_cache
+
+__all__ = [
+    "Decoder",
+    "DecoderOutput",
+    "KVCache",
+    "RopeScaling",
+    "TargetConfig",
+    "check_capacity",
+    "commit",
+    "default_dtype",
+    "embedding_matrix",
+    "forward",
+    "init_cache",
+    "init_params",
+    "lm_head_matrix",
+]

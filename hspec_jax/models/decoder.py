@@ -1,0 +1,176 @@
+"""The target decoder (Llama-3.x, SmolLM2, Qwen2, Qwen3) as a Flax Linen module, one call for every use.
+
+`forward(params, config, tokens, cache, taps=...)` serves prefill, single-token decoding and
+multi-token verification alike: tokens `[B, T]` are placed at each sequence's own start position
+`cache.lengths[b]`, their K/V rows are written into the cache (not committed), and the call returns
+logits, the tapped hidden states and the updated cache.
+
+Tap ids follow the H-Spec reference convention: **tap i is the residual stream entering decoder layer
+i**, i.e. Hugging Face `output_hidden_states[i]` (tap 0 = the embeddings, tap L = the last layer's
+output before the final norm). The output of decoder layer i is therefore tap i + 1.
+
+Parameter names mirror the Hugging Face module tree (`layers_3/self_attn/q_proj/kernel` is
+`model.layers.3.self_attn.q_proj.weight` transposed), so checkpoint conversion is a plain table.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from hspec_jax.models.config import TargetConfig
+from hspec_jax.models.kv_cache import KVCache, init_cache, write_rows
+from hspec_jax.models.layers import INIT_STD, MLP, RMSNorm, dense, dot_product_attention
+from hspec_jax.models.rope import apply_rope, inverse_frequencies
+
+
+class DecoderOutput(NamedTuple):
+    logits: jax.Array  # [B, T, V] float32 (or [B, P, V] at `logit_indices`)
+    hidden: tuple[jax.Array, ...]  # one [B, T, D] per requested tap, in request order
+    cache: KVCache  # with this call's rows written at lengths[b] + t; lengths unchanged
+
+
+def project_qkv(config: TargetConfig, x: jax.Array, positions: jax.Array):
+    """q `[B, T, N, H]`, k and v `[B, T, K, H]` of a target-style attention layer; q and k normed and rotated.
+
+    Creates `q_proj`, `k_proj`, `v_proj` (and `q_norm`, `k_norm` when the config has them) in the calling
+    module's scope, so the target and the drafters' attention layers share names and weights layout.
+    """
+    b, t, _ = x.shape
+    kw = dict(bias=config.qkv_bias, dtype=config.dtype, param_dtype=config.param_dtype)
+    q = dense(config.num_heads * config.head_dim, "q_proj", **kw)(x).reshape(b, t, config.num_heads, -1)
+    k = dense(config.num_kv_heads * config.head_dim, "k_proj", **kw)(x).reshape(b, t, config.num_kv_heads, -1)
+    v = dense(config.num_kv_heads * config.head_dim, "v_proj", **kw)(x).reshape(b, t, config.num_kv_heads, -1)
+    if config.qk_norm:
+        norm = dict(eps=config.rms_norm_eps, param_dtype=config.param_dtype)
+        q = RMSNorm(**norm, name="q_norm")(q)
+        k = RMSNorm(**norm, name="k_norm")(k)
+    inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def causal_mask(positions: jax.Array, num_keys: int, window: int | None = None) -> jax.Array:
+    """`[B, T, S]`: key row j is visible to the query at `positions[b, t]` iff j <= pos (and pos - j < window)."""
+    keys = jnp.arange(num_keys)[None, None, :]
+    pos = positions[:, :, None]
+    mask = keys <= pos
+    if window is not None:
+        mask &= keys > pos - window
+    return mask
+
+
+class SelfAttention(nn.Module):
+    config: TargetConfig
+    window: int | None = None
+
+    @nn.compact
+    def __call__(self, x, positions, k_buf, v_buf, starts):
+        """x `[B, T, D]`, positions `[B, T]`, caches `[B, S, K, H]` -> (out `[B, T, D]`, k_buf, v_buf)."""
+        cfg = self.config
+        q, k, v = project_qkv(cfg, x, positions)
+        k_buf = write_rows(k_buf, k, starts)
+        v_buf = write_rows(v_buf, v, starts)
+        out = dot_product_attention(q, k_buf, v_buf, causal_mask(positions, k_buf.shape[1], self.window))
+        b, t = x.shape[:2]
+        o_proj = dense(cfg.hidden_size, "o_proj", bias=cfg.o_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        return o_proj(out.reshape(b, t, -1)), k_buf, v_buf
+
+
+class DecoderLayer(nn.Module):
+    config: TargetConfig
+    window: int | None = None
+
+    @nn.compact
+    def __call__(self, x, positions, k_buf, v_buf, starts):
+        cfg = self.config
+        norm = dict(eps=cfg.rms_norm_eps, param_dtype=cfg.param_dtype)
+        attn, k_buf, v_buf = SelfAttention(cfg, self.window, name="self_attn")(
+            RMSNorm(**norm, name="input_layernorm")(x), positions, k_buf, v_buf, starts
+        )
+        x = x + attn
+        mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.dtype, cfg.param_dtype, name="mlp")
+        x = x + mlp(RMSNorm(**norm, name="post_attention_layernorm")(x))
+        return x, k_buf, v_buf
+
+
+class Decoder(nn.Module):
+    """Decoder-only LM. See the module docstring for the call contract and tap convention."""
+
+    config: TargetConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: jax.Array,
+        cache: KVCache,
+        taps: tuple[int, ...] = (),
+        logit_indices: jax.Array | None = None,
+    ) -> DecoderOutput:
+        """tokens `[B, T]` int; `logit_indices [B, P]` (optional) picks the positions to compute logits at."""
+        cfg = self.config
+        for tap in taps:
+            if not 0 <= tap <= cfg.num_layers:
+                raise ValueError(f"tap id {tap} out of range 0..{cfg.num_layers}")
+        embed = nn.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            embedding_init=nn.initializers.normal(INIT_STD),
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            name="embed_tokens",
+        )
+        starts = cache.lengths
+        positions = starts[:, None] + jnp.arange(tokens.shape[1])[None, :]
+        x = embed(tokens)
+        streams = [x]
+        ks, vs = list(cache.k), list(cache.v)
+        for i in range(cfg.num_layers):
+            layer = DecoderLayer(cfg, cfg.layer_window(i), name=f"layers_{i}")
+            x, ks[i], vs[i] = layer(x, positions, ks[i], vs[i], starts)
+            streams.append(x)
+        hidden = tuple(streams[i] for i in taps)
+        if logit_indices is not None:
+            x = jnp.take_along_axis(x, logit_indices[:, :, None], axis=1)
+        x = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="norm")(x)
+        if cfg.tie_word_embeddings:
+            head = embed.embedding
+        else:
+            head = self.param(
+                "lm_head",
+                nn.initializers.normal(INIT_STD),
+                (cfg.vocab_size, cfg.hidden_size),
+                cfg.param_dtype,
+            )
+        logits = jnp.einsum("btd,vd->btv", x, head.astype(cfg.dtype), preferred_element_type=jnp.float32)
+        return DecoderOutput(logits, hidden, cache.replace(k=tuple(ks), v=tuple(vs)))
+
+
+def forward(
+    params: dict,
+    config: TargetConfig,
+    tokens: jax.Array,
+    cache: KVCache,
+    taps: tuple[int, ...] = (),
+    logit_indices: jax.Array | None = None,
+) -> DecoderOutput:
+    """Pure-function form of `Decoder(config)`: see the module docstring."""
+    return Decoder(config).apply({"params": params}, tokens, cache, taps, logit_indices)
+
+
+def init_params(config: TargetConfig, rng: jax.Array) -> dict:
+    """Randomly initialised target parameters (HF-style N(0, 0.02) linears, unit norms)."""
+    cache = init_cache(config, 1, 1)
+    return Decoder(config).init(rng, jnp.zeros((1, 1), jnp.int32), cache)["params"]
+
+
+def embedding_matrix(params: dict) -> jax.Array:
+    """The token embedding table `[V, D]`."""
+    return params["embed_tokens"]["embedding"]
+
+
+def lm_head_matrix(params: dict, config: TargetConfig) -> jax.Array:
+    """The output projection `[V, D]` (the embedding table when tied)."""
+    return embedding_matrix(params) if config.tie_word_embeddings else params["lm_head"]

@@ -1,0 +1,77 @@
+"""The target's KV cache: per layer, post-RoPE keys and values `[B, S, K, H]`, plus committed lengths `[B]`.
+
+Layout and contract (the drafters read this structure directly):
+
+* `cache.k[i]`, `cache.v[i]` are decoder layer i's keys and values, `[B, S_max, K, H]`. Keys are stored
+  *after* the k-norm (Qwen3) and after RoPE at their absolute positions, so a reader never re-rotates.
+* `cache.lengths[b]` is how many rows of sequence b are committed: rows `0 .. lengths[b]-1` are valid.
+  Rows at and beyond `lengths[b]` may hold stale data (a rejected draft, a padded prompt) and are
+  overwritten by the next forward pass; every reader masks them out by position.
+* A forward pass writes its T new rows at `lengths[b] .. lengths[b]+T-1` and does not change
+  `lengths`; `commit(cache, n)` then advances each sequence by the number of rows it keeps. Rows past
+  `S_max` are dropped, never wrapped: callers check capacity (see `check_capacity`).
+* Under `jax.jit` with the cache donated, writes are in-place updates; no step copies the cache.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from hspec_jax.models.config import TargetConfig
+
+
+@flax.struct.dataclass
+class KVCache:
+    k: tuple[jax.Array, ...]  # per layer [B, S, K, H], post-norm, post-RoPE
+    v: tuple[jax.Array, ...]  # per layer [B, S, K, H]
+    lengths: jax.Array  # [B] int32, committed rows per sequence
+
+    @property
+    def capacity(self) -> int:
+        """S_max, the number of rows each sequence can hold."""
+        return self.k[0].shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k[0].shape[0]
+
+    def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
+        """(keys, values) of decoder layer i, each `[B, S, K, H]`."""
+        return self.k[i], self.v[i]
+
+
+def init_cache(config: TargetConfig, batch_size: int, capacity: int, dtype=None) -> KVCache:
+    """An empty cache of `capacity` rows per sequence, in `dtype` (default: the config's compute dtype)."""
+    dtype = dtype or config.dtype
+    shape = (batch_size, capacity, config.num_kv_heads, config.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    return KVCache(
+        k=zeros,
+        v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+        lengths=jnp.zeros((batch_size,), jnp.int32),
+    )
+
+
+def write_rows(buffer: jax.Array, rows: jax.Array, starts: jax.Array) -> jax.Array:
+    """Write `rows [B, T, ...]` into `buffer [B, S, ...]` at rows `starts[b] + t`; rows past S are dropped."""
+    b, t = rows.shape[:2]
+    row_ids = starts[:, None] + jnp.arange(t)[None, :]  # [B, T]
+    batch_ids = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    return buffer.at[batch_ids, row_ids].set(rows.astype(buffer.dtype), mode="drop")
+
+
+def commit(cache: KVCache, num_rows: jax.Array) -> KVCache:
+    """Advance each sequence's committed length by `num_rows [B]` (rows already written by a forward)."""
+    return cache.replace(lengths=cache.lengths + num_rows.astype(jnp.int32))
+
+
+def check_capacity(prompt_lengths, needed_new_rows: int, capacity: int) -> None:
+    """Host-side check that every prompt, plus `needed_new_rows` rows of lookahead, fits in the cache."""
+    longest = int(max(prompt_lengths))
+    if longest + needed_new_rows > capacity:
+        raise ValueError(
+            f"prompt of {longest} tokens plus {needed_new_rows} rows of lookahead does not fit in a KV cache "
+            f"of {capacity} rows; shorten the prompt or raise the cache length"
+        )

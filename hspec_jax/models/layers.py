@@ -1,0 +1,82 @@
+"""Building blocks shared by the target decoder and the drafters: RMSNorm, SwiGLU MLP, masked GQA attention.
+
+Axis letters: B batch, T query tokens, S key positions, N query heads, K KV heads, G = N/K heads per
+group, H head dim, D model dim, F MLP width.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+# Large finite negative number for masked scores: a fully masked row gives a uniform (finite) softmax
+# instead of NaN, and its output is never used.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+INIT_STD = 0.02
+
+
+def dense(features: int, name: str, *, bias: bool = False, dtype: Any, param_dtype: Any) -> nn.Dense:
+    """A linear layer with kernel `[in, out]`, HF-style N(0, 0.02) init and zero bias."""
+    return nn.Dense(
+        features,
+        use_bias=bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=nn.initializers.normal(INIT_STD),
+        name=name,
+    )
+
+
+class RMSNorm(nn.Module):
+    """`x / rms(x) * scale`, statistics in fp32, result cast back to x.dtype (as HF Llama/Qwen3)."""
+
+    eps: float = 1e-6
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        return rms_norm(x, scale, self.eps)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMS-normalise the last axis of `x [..., D]` in fp32 and multiply by `scale [D]`."""
+    xf = x.astype(jnp.float32)
+    normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return scale.astype(x.dtype) * normed
+
+
+class MLP(nn.Module):
+    """SwiGLU: `down(silu(gate(x)) * up(x))`, `[..., D] -> [..., D]` through width F."""
+
+    hidden_size: int
+    intermediate_size: int
+    bias: bool = False
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kw = dict(bias=self.bias, dtype=self.dtype, param_dtype=self.param_dtype)
+        gate = dense(self.intermediate_size, "gate_proj", **kw)(x)
+        up = dense(self.intermediate_size, "up_proj", **kw)(x)
+        return dense(self.hidden_size, "down_proj", **kw)(nn.silu(gate) * up)
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Masked grouped-query attention, softmax in fp32.
+
+    q `[B, T, N, H]`; k, v `[B, S, K, H]` with N a multiple of K (query head n uses KV head n // G);
+    mask `[B, T, S]` bool (True = may attend). Returns `[B, T, N, H]` in q.dtype.
+    """
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * (h**-0.5)
+    scores = jnp.where(mask[:, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, n, h).astype(q.dtype)

@@ -1,0 +1,119 @@
+"""Shared fixtures: tiny random HF checkpoints (Llama with llama3 RoPE scaling, Qwen3, Qwen2) and the
+embedded SmolLM2 target (loaded once per session, in JAX and in transformers)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from hspec_jax.checkpoints import load_target, load_tokenizer, resolve
+
+TINY_COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=80,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def tiny_hf_config(family: str, **overrides):
+    """A tiny random-init transformers config of the given family."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    if family == "llama":
+        return LlamaConfig(**{**TINY_COMMON, "rope_parameters": LLAMA3_ROPE, **overrides})
+    if family == "llama_tied":
+        return LlamaConfig(**{**TINY_COMMON, "tie_word_embeddings": True, **overrides})
+    if family == "qwen3":
+        return Qwen3Config(
+            **{**TINY_COMMON, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, **overrides}
+        )
+    if family == "qwen2":
+        return Qwen2Config(**{**TINY_COMMON, **overrides})
+    raise ValueError(family)
+
+
+def tiny_hf_model(family: str, seed: int = 0, **overrides):
+    """A transformers CausalLM with every weight randomised (norm scales around 1), in fp32 eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(family, **overrides), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.fixture(params=["llama", "llama_tied", "qwen3", "qwen2"])
+def tiny_hf_dir(request, tmp_path):
+    """(family, transformers model, saved HF directory) for each supported family."""
+    model = tiny_hf_model(request.param)
+    path = tmp_path / request.param
+    model.save_pretrained(path)
+    return request.param, model, str(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(config, params) of the embedded SmolLM2-135M-Instruct, in fp32."""
+    return load_target("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    return load_tokenizer("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """The same GGUF loaded by transformers (the independent reference), fp32."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve("smollm2")
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def chat_prompt(smollm2_tokenizer):
+    from hspec_jax.decoding import chat_prompt_ids
+
+    return chat_prompt_ids(smollm2_tokenizer, "Write a short poem about the sea, then explain its meaning.")
+
+
+def hf_logits(model, ids, **kwargs):
+    with torch.no_grad():
+        out = model(torch.tensor(np.asarray(ids)), **kwargs)
+    return out
+
+
+def jax_allclose(a, b, atol):
+    np.testing.assert_allclose(np.asarray(jax.device_get(a)), np.asarray(b), atol=atol, rtol=0)

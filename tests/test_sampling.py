@@ -1,0 +1,51 @@
+"""Sampling filters agree with transformers' logits processors; greedy is argmax; draws follow the distribution."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from hspec_jax.decoding import SamplingConfig, probabilities, sample
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 12, 0.6)])
+def test_filtered_distribution_matches_transformers(temperature, top_k, top_p):
+    logits = np.random.default_rng(0).normal(size=(4, 50)).astype(np.float32) * 3
+    ref = torch.tensor(logits)
+    ref = TemperatureLogitsWarper(temperature)(None, ref)
+    if top_k:
+        ref = TopKLogitsWarper(top_k)(None, ref)
+    if top_p < 1.0:
+        ref = TopPLogitsWarper(top_p)(None, ref)
+    expected = torch.softmax(ref, -1).numpy()
+    got = np.asarray(probabilities(jnp.asarray(logits), SamplingConfig(temperature, top_k, top_p)))
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+    if top_k or top_p < 1:
+        assert (got == 0).any()
+
+
+def test_greedy_is_one_hot_argmax():
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(3, 40)), jnp.float32)
+    probs = probabilities(logits, SamplingConfig())
+    np.testing.assert_array_equal(np.asarray(probs.argmax(-1)), np.asarray(logits.argmax(-1)))
+    assert float(probs.sum()) == 3.0 and float(probs.max()) == 1.0
+    np.testing.assert_array_equal(
+        np.asarray(sample(jax.random.key(0), logits, SamplingConfig())), np.asarray(logits.argmax(-1))
+    )
+
+
+def test_sample_frequencies_follow_probabilities():
+    logits = jnp.asarray([[2.0, 1.0, 0.0, -1.0, 0.5]])
+    sampling = SamplingConfig(temperature=1.0, top_k=3)
+    draws = jax.vmap(lambda k: sample(k, logits, sampling))(jax.random.split(jax.random.key(0), 20000))
+    freq = np.bincount(np.asarray(draws).ravel(), minlength=5) / 20000
+    np.testing.assert_allclose(freq, np.asarray(probabilities(logits, sampling))[0], atol=0.01)
+    assert freq[2] == 0 and freq[3] == 0
+
+
+def test_invalid_settings_are_rejected():
+    for bad in (dict(temperature=-1.0), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5)):
+        with pytest.raises(ValueError):
+            SamplingConfig(**bad)

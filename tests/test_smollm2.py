@@ -1,0 +1,47 @@
+"""The embedded real model (SmolLM2-135M-Instruct, GGUF Q4_1 dequantized) against transformers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import hf_logits
+
+from hspec_jax.decoding import generate
+from hspec_jax.models import forward, init_cache
+
+pytestmark = pytest.mark.slow
+
+
+def test_config_read_from_gguf(smollm2):
+    config, _ = smollm2
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (30, 576, 9, 3)
+    assert (config.head_dim, config.intermediate_size, config.vocab_size) == (64, 1536, 49152)
+    assert config.rope_theta == 100000.0 and config.tie_word_embeddings and config.model_type == "llama"
+
+
+def test_chat_prompt_logits_match_transformers(smollm2, smollm2_hf, chat_prompt):
+    config, params = smollm2
+    ids = np.asarray([chat_prompt])
+    out = forward(params, config, jnp.asarray(ids), init_cache(config, 1, ids.shape[1]))
+    ref = hf_logits(smollm2_hf, ids).logits.numpy()
+    np.testing.assert_allclose(np.asarray(out.logits), ref, atol=1e-3, rtol=0)
+
+
+def test_64_greedy_tokens_match_transformers_generate(smollm2, smollm2_hf, chat_prompt):
+    config, params = smollm2
+    ids = np.asarray([chat_prompt])
+    with torch.no_grad():
+        ref = smollm2_hf.generate(torch.tensor(ids), max_new_tokens=64, do_sample=False)[0, ids.shape[1] :].numpy()
+    assert len(ref) == 64 and config.eos_token_ids[0] not in ref  # a full-length answer, not an early stop
+    out = generate(
+        params,
+        config,
+        jnp.asarray(ids),
+        jnp.asarray([ids.shape[1]]),
+        max_new_tokens=64,
+        eos_ids=config.eos_token_ids,
+        rng=jax.random.key(0),
+    )
+    assert int(out.num_tokens[0]) == 64
+    np.testing.assert_array_equal(np.asarray(out.tokens[0]), ref)
