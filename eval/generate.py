@@ -65,19 +65,28 @@ def stop_ids(config, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def timed_autoregressive(params, config, tokens, lengths, capacity, *, max_new_tokens, sampling, eos_ids, pad_id, seed):
-    """Compile prefill + decode ahead of time, then run once on the clock -> (tokens, num_tokens, seconds)."""
+def compile_autoregressive(
+    params, config, tokens, lengths, capacity, *, max_new_tokens, sampling, eos_ids, pad_id, seed
+):
+    """Compile prefill + decode ahead of time; returns `run() -> (tokens, num_tokens, seconds)` that times one
+    generation (fresh cache each call) without any compilation on the clock."""
     first_rng, loop_rng = jax.random.split(jax.random.key(seed))
     cache = init_cache(config, tokens.shape[0], capacity)
     pre_c = prefill.lower(params, config, tokens, lengths, cache, first_rng, sampling).compile()
     pre_shape = jax.eval_shape(lambda: prefill(params, config, tokens, lengths, cache, first_rng, sampling))
     dec_kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
     dec_c = decode.lower(params, config, pre_shape.cache, pre_shape.token, loop_rng, **dec_kw).compile()
-    start = time.perf_counter()
-    pre = pre_c(params, tokens, lengths, cache, first_rng)
-    out = dec_c(params, pre.cache, pre.token, loop_rng)
-    out.tokens.block_until_ready()
-    return np.asarray(out.tokens), np.asarray(out.num_tokens), time.perf_counter() - start
+
+    def run():
+        fresh = init_cache(config, tokens.shape[0], capacity)
+        jax.block_until_ready(fresh)
+        start = time.perf_counter()
+        pre = pre_c(params, tokens, lengths, fresh, first_rng)
+        out = dec_c(params, pre.cache, pre.token, loop_rng)
+        out.tokens.block_until_ready()
+        return np.asarray(out.tokens), np.asarray(out.num_tokens), time.perf_counter() - start
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    out, num, seconds = timed_autoregressive(
+    run = compile_autoregressive(
         params,
         config,
         tokens,
@@ -110,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         pad_id=pad_id,
         seed=args.seed,
     )
+    out, num, seconds = run()
     for row, n in zip(out, num, strict=True):
         print(tokenizer.decode(row[:n], skip_special_tokens=True))
     total = int(num.sum())

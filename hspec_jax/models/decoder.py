@@ -33,25 +33,6 @@ class DecoderOutput(NamedTuple):
     cache: KVCache  # with this call's rows written at lengths[b] + t; lengths unchanged
 
 
-def project_qkv(config: TargetConfig, x: jax.Array, positions: jax.Array):
-    """q `[B, T, N, H]`, k and v `[B, T, K, H]` of a target-style attention layer; q and k normed and rotated.
-
-    Creates `q_proj`, `k_proj`, `v_proj` (and `q_norm`, `k_norm` when the config has them) in the calling
-    module's scope, so the target and the drafters' attention layers share names and weights layout.
-    """
-    b, t, _ = x.shape
-    kw = dict(bias=config.qkv_bias, dtype=config.dtype, param_dtype=config.param_dtype)
-    q = dense(config.num_heads * config.head_dim, "q_proj", **kw)(x).reshape(b, t, config.num_heads, -1)
-    k = dense(config.num_kv_heads * config.head_dim, "k_proj", **kw)(x).reshape(b, t, config.num_kv_heads, -1)
-    v = dense(config.num_kv_heads * config.head_dim, "v_proj", **kw)(x).reshape(b, t, config.num_kv_heads, -1)
-    if config.qk_norm:
-        norm = dict(eps=config.rms_norm_eps, param_dtype=config.param_dtype)
-        q = RMSNorm(**norm, name="q_norm")(q)
-        k = RMSNorm(**norm, name="k_norm")(k)
-    inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
-
-
 def causal_mask(positions: jax.Array, num_keys: int, window: int | None = None) -> jax.Array:
     """`[B, T, S]`: key row j is visible to the query at `positions[b, t]` iff j <= pos (and pos - j < window)."""
     keys = jnp.arange(num_keys)[None, None, :]
@@ -62,21 +43,60 @@ def causal_mask(positions: jax.Array, num_keys: int, window: int | None = None) 
     return mask
 
 
-class SelfAttention(nn.Module):
+class AttentionProjections(nn.Module):
+    """The projections of a target-style attention layer: q/k/v/o (+ per-head q/k norms), RoPE the HF way.
+
+    Shared by the target's `SelfAttention` and the drafters' attention layers, so both have the same
+    parameter names and layout (and a drafter layer can be initialised from a target layer by copying).
+    """
+
     config: TargetConfig
+
+    def setup(self):
+        cfg = self.config
+        kw = dict(bias=cfg.qkv_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        self.q_proj = dense(cfg.num_heads * cfg.head_dim, **kw)
+        self.k_proj = dense(cfg.num_kv_heads * cfg.head_dim, **kw)
+        self.v_proj = dense(cfg.num_kv_heads * cfg.head_dim, **kw)
+        self.o_proj = dense(cfg.hidden_size, bias=cfg.o_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype)
+            self.k_norm = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype)
+        self.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def query(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """x `[B, T, D]`, positions `[B, T]` -> q `[B, T, N, H]`, normed (Qwen3) and rotated."""
+        q = self.q_proj(x).reshape(*x.shape[:2], self.config.num_heads, self.config.head_dim)
+        if self.config.qk_norm:
+            q = self.q_norm(q)
+        return apply_rope(q, positions, self.inv_freq)
+
+    def key_value(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x `[B, T, D]`, positions `[B, T]` -> k, v `[B, T, K, H]`; k normed (Qwen3) and rotated, as cached."""
+        shape = (*x.shape[:2], self.config.num_kv_heads, self.config.head_dim)
+        k = self.k_proj(x).reshape(shape)
+        if self.config.qk_norm:
+            k = self.k_norm(k)
+        return apply_rope(k, positions, self.inv_freq), self.v_proj(x).reshape(shape)
+
+    def output(self, o: jax.Array) -> jax.Array:
+        """o `[B, T, N, H]` -> `[B, T, D]`."""
+        return self.o_proj(o.reshape(*o.shape[:2], -1))
+
+
+class SelfAttention(AttentionProjections):
+    """Causal (optionally sliding-window) attention that writes its new K/V rows into the cache first."""
+
     window: int | None = None
 
-    @nn.compact
     def __call__(self, x, positions, k_buf, v_buf, starts):
         """x `[B, T, D]`, positions `[B, T]`, caches `[B, S, K, H]` -> (out `[B, T, D]`, k_buf, v_buf)."""
-        cfg = self.config
-        q, k, v = project_qkv(cfg, x, positions)
+        q = self.query(x, positions)
+        k, v = self.key_value(x, positions)
         k_buf = write_rows(k_buf, k, starts)
         v_buf = write_rows(v_buf, v, starts)
         out = dot_product_attention(q, k_buf, v_buf, causal_mask(positions, k_buf.shape[1], self.window))
-        b, t = x.shape[:2]
-        o_proj = dense(cfg.hidden_size, "o_proj", bias=cfg.o_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-        return o_proj(out.reshape(b, t, -1)), k_buf, v_buf
+        return self.output(out), k_buf, v_buf
 
 
 class DecoderLayer(nn.Module):

@@ -18,8 +18,8 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 INIT_STD = 0.02
 
 
-def dense(features: int, name: str, *, bias: bool = False, dtype: Any, param_dtype: Any) -> nn.Dense:
-    """A linear layer with kernel `[in, out]`, HF-style N(0, 0.02) init and zero bias."""
+def dense(features: int, name: str | None = None, *, bias: bool = False, dtype: Any, param_dtype: Any) -> nn.Dense:
+    """A linear layer with kernel `[in, out]`, HF-style N(0, 0.02) init and zero bias (name: None in setup)."""
     return nn.Dense(
         features,
         use_bias=bias,
