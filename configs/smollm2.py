@@ -1,0 +1,41 @@
+"""SmolLM2-135M-Instruct, the embedded target (30 layers, hidden 576): the paper's recipe scaled down.
+
+Taps and KV layers follow the paper's spacing (first four evenly from layer 1, the last at L-2); the Mamba
+width is 8 heads x 64 (the paper uses 0.75-1.1x the hidden size); the mask token is <empty_output> (id 16),
+a special token chat prompts never contain.
+"""
+
+from configs.common import recipe
+
+HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+
+
+def get_config():
+    return recipe(
+        name="HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1, embedded)",
+        path="smollm2",
+        hf_config=HF_CONFIG,
+        fusion_layer_ids=(1, 8, 14, 21, 28),
+        attn_kv_layer_ids=(14, 21, 28),
+        mamba_heads=8,
+        fusion_rank=576,
+        mask_token_id=16,
+    )

@@ -1,0 +1,215 @@
+"""Drafter configurations: one frozen (hashable, jit-static) dataclass per architecture family.
+
+* `HSpecConfig`: the Mamba-attention hybrid. Its ablations are switches on the same config:
+  `use_state_injection=False` is "KV only" (zero SSM state), `use_target_kv=False` is "last-token only".
+* `DFlashConfig`: DFlash (target hidden states of every context position injected as a drafter-side KV
+  cache). `markov_rank > 0` makes it DSpark; `kv_source="target"` is "DFlash + direct target-KV reuse".
+
+`drafter_config(kind, target, **fields)` builds any of them by name; `DRAFTER_KINDS` lists the names.
+Layer-id conventions: `fusion_layer_ids` are target tap ids (tap i = the residual stream entering target
+layer i, HF `hidden_states[i]`); `attn_kv_layer_ids` are target decoder-layer indices whose KV cache is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hspec_jax.drafters.mamba2 import MambaConfig
+from hspec_jax.models.config import TargetConfig
+
+PAPER_BLOCK_PATTERN = ("mamba", "mlp", "mamba", "attn", "mlp", "mamba", "attn", "mlp", "mamba", "attn", "mlp")
+SUBLAYER_KINDS = ("mamba", "attn", "mlp")
+SEED_MODES = ("per_layer", "shared", "once")
+KV_SOURCES = ("inject", "target")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterCommon:
+    """Fields every drafter has. Block = [anchor, MASK x (block_size - 1)]; slot i predicts the token i
+    positions after the anchor. `draft_vocab_size=None` drafts over the full target vocabulary."""
+
+    target: TargetConfig
+    fusion_layer_ids: tuple[int, ...]
+    block_size: int = 8
+    draft_vocab_size: int | None = None
+    mask_token_id: int = 0
+    fusion_rank: int | None = None  # width of the fused latent; None = target hidden size
+    intermediate_size: int | None = None  # MLP width; None = the target's
+    sliding_window: int | None = 2048
+    markov_rank: int = 0
+    confidence_head: bool = False
+    attention_impl: str = "auto"
+    dtype: Any = None  # None = the target's compute dtype
+    param_dtype: Any = None
+
+    def _check_common(self):
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {self.block_size}")
+        for tap in self.fusion_layer_ids:
+            if not 0 <= tap <= self.target.num_layers:
+                raise ValueError(f"fusion layer id {tap} out of range 0..{self.target.num_layers}")
+        if not 0 <= self.mask_token_id < self.target.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} outside the target vocabulary")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.target.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.target.vocab_size}")
+        if self.confidence_head and not self.markov_rank:
+            raise ValueError("the confidence head reads the Markov embedding: it needs markov_rank > 0")
+
+    @property
+    def num_drafts(self) -> int:
+        """k, the number of drafted tokens per step."""
+        return self.block_size - 1
+
+    @property
+    def vocab_size(self) -> int:
+        return self.draft_vocab_size or self.target.vocab_size
+
+    @property
+    def latent_size(self) -> int:
+        return self.fusion_rank or self.target.hidden_size
+
+    @property
+    def mlp_size(self) -> int:
+        return self.intermediate_size or self.target.intermediate_size
+
+    @property
+    def compute_dtype(self):
+        return self.dtype or self.target.dtype
+
+    @property
+    def storage_dtype(self):
+        return self.param_dtype or self.target.param_dtype
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class HSpecConfig(DrafterCommon):
+    attn_kv_layer_ids: tuple[int, ...] = ()
+    mamba: MambaConfig | None = None
+    block_pattern: tuple[str, ...] = PAPER_BLOCK_PATTERN
+    seed_mode: str = "shared"
+    markov_rank: int = 256
+    confidence_head: bool = True
+    use_state_injection: bool = True
+    use_target_kv: bool = True
+
+    def __post_init__(self):
+        self._check_common()
+        for kind in self.block_pattern:
+            if kind not in SUBLAYER_KINDS:
+                raise ValueError(f"unknown sub-layer {kind!r} in block_pattern; choose from {SUBLAYER_KINDS}")
+        if self.block_pattern.count("attn") != len(self.attn_kv_layer_ids):
+            raise ValueError(
+                f"block_pattern has {self.block_pattern.count('attn')} attention sub-layers but "
+                f"attn_kv_layer_ids maps {len(self.attn_kv_layer_ids)}"
+            )
+        for layer in self.attn_kv_layer_ids:
+            if not 0 <= layer < self.target.num_layers:
+                raise ValueError(f"attention KV layer id {layer} out of range 0..{self.target.num_layers - 1}")
+        if "mamba" in self.block_pattern and self.mamba is None:
+            raise ValueError("block_pattern has mamba sub-layers: set `mamba`")
+        if self.seed_mode not in SEED_MODES:
+            raise ValueError(f"unknown seed_mode {self.seed_mode!r}; choose from {SEED_MODES}")
+
+    @property
+    def kind(self) -> str:
+        if not self.use_state_injection:
+            return "hspec_kv_only"
+        if not self.use_target_kv:
+            return "hspec_last_token"
+        return "hspec"
+
+    @property
+    def num_mamba(self) -> int:
+        return self.block_pattern.count("mamba")
+
+    @property
+    def num_seed_projections(self) -> int:
+        if not self.use_state_injection or not self.num_mamba:
+            return 0
+        return self.num_mamba if self.seed_mode == "per_layer" else 1
+
+    def seed_index(self, mamba_index: int) -> int | None:
+        """Which seed projection initialises the state of the mamba_index-th Mamba sub-layer (None = zeros)."""
+        if not self.use_state_injection:
+            return None
+        if self.seed_mode == "per_layer":
+            return mamba_index
+        if self.seed_mode == "shared":
+            return 0
+        return 0 if mamba_index == 0 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashConfig(DrafterCommon):
+    num_layers: int = 5
+    kv_source: str = "inject"
+    target_kv_layer_ids: tuple[int, ...] = ()  # with kv_source="target": one target layer per drafter layer
+    qk_norm: bool | None = None  # None: Qwen3-style q/k norms when injecting, the target's own when reusing
+    block_causal: bool = False  # DFlash attends bidirectionally inside the block
+
+    def __post_init__(self):
+        self._check_common()
+        if self.kv_source not in KV_SOURCES:
+            raise ValueError(f"unknown kv_source {self.kv_source!r}; choose from {KV_SOURCES}")
+        if self.kv_source == "target":
+            if len(self.target_kv_layer_ids) != self.num_layers:
+                raise ValueError(
+                    f"kv_source='target' maps {len(self.target_kv_layer_ids)} target layers onto "
+                    f"{self.num_layers} drafter layers"
+                )
+            for layer in self.target_kv_layer_ids:
+                if not 0 <= layer < self.target.num_layers:
+                    raise ValueError(f"attention KV layer id {layer} out of range 0..{self.target.num_layers - 1}")
+            if self.qk_norm not in (None, self.target.qk_norm):
+                raise ValueError("reading the target's KV cache requires the target's own q/k norm setting")
+
+    @property
+    def kind(self) -> str:
+        if self.kv_source == "target":
+            return "dflash_target_kv"
+        return "dspark" if self.markov_rank else "dflash"
+
+    @property
+    def attention_qk_norm(self) -> bool:
+        if self.kv_source == "target":
+            return self.target.qk_norm
+        return True if self.qk_norm is None else self.qk_norm
+
+
+DrafterConfig = HSpecConfig | DFlashConfig
+DRAFTER_KINDS = ("hspec", "hspec_kv_only", "hspec_last_token", "dflash", "dspark", "dflash_target_kv")
+
+
+def drafter_config(kind: str, target: TargetConfig, **fields) -> DrafterConfig:
+    """A drafter config by kind name. `fields` are the recipe (layer ids, Mamba shape, ranks ...); fields that
+    do not apply to the kind's family are ignored, so one recipe dict can build every kind."""
+    if kind not in DRAFTER_KINDS:
+        raise ValueError(f"unknown drafter kind {kind!r}; choose from {DRAFTER_KINDS}")
+    family = HSpecConfig if kind.startswith("hspec") else DFlashConfig
+    names = {f.name for f in dataclasses.fields(family)}
+    fields = {k: v for k, v in fields.items() if k in names}
+    if kind == "hspec_kv_only":
+        fields["use_state_injection"] = False
+    elif kind == "hspec_last_token":
+        fields["use_target_kv"] = False
+    elif kind == "dflash":
+        fields.update(markov_rank=0, confidence_head=False)
+    elif kind == "dflash_target_kv":
+        fields.update(kv_source="target", markov_rank=0, confidence_head=False)
+        fields.setdefault("target_kv_layer_ids", _target_kv_layers(fields, target))
+    elif kind == "dspark":
+        fields.setdefault("markov_rank", 256)
+        fields.setdefault("confidence_head", True)
+    return family(target=target, **fields)
+
+
+def _target_kv_layers(fields: dict, target: TargetConfig) -> tuple[int, ...]:
+    """Default target layers read by "DFlash + direct target-KV reuse": its fusion taps, used as layer indices."""
+    taps, layers = fields["fusion_layer_ids"], fields.get("num_layers", 5)
+    if len(taps) < layers:
+        raise ValueError(f"dflash_target_kv needs {layers} target layers: set target_kv_layer_ids")
+    return tuple(min(t, target.num_layers - 1) for t in taps[:layers])

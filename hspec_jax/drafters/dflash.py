@@ -1,0 +1,91 @@
+"""DFlash (block-diffusion drafter with KV injection), DSpark (DFlash + Markov head) and "DFlash + direct
+target-KV reuse".
+
+DFlash fuses the target's tapped hidden states of *every* context position, latent = hidden_norm(fc(concat)),
+and each of its layers projects that latent with its own k_proj / v_proj (k-norm, RoPE at the context
+position) into a drafter-side KV cache: a real buffer that grows with the context, `[B, S, K, H]` per layer.
+The block [anchor, MASK x k] then attends to that cache (rows < anchor) and bidirectionally to itself.
+
+`__call__(..., new_context=(taps, positions))` first writes the K/V rows of newly committed context
+positions into the cache (the "KV injection" whose cost grows with the number of accepted tokens and
+sequences), then drafts. With `kv_source="target"` there is no fusion and no cache: each layer reads one
+mapped target layer's KV cache in place, like H-Spec's attention.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from hspec_jax.drafters.config import DFlashConfig
+from hspec_jax.drafters.heads import ConfidenceHead, MarkovHead
+from hspec_jax.drafters.layers import DraftAttention
+from hspec_jax.drafters.output import DraftOutput, apply_heads, draft_logits
+from hspec_jax.models.kv_cache import write_rows
+from hspec_jax.models.layers import MLP, RMSNorm, dense
+
+
+class DFlashLayer(nn.Module):
+    """A Qwen3-style decoder layer whose attention reads a context cache; optionally injects into it first."""
+
+    config: DFlashConfig
+
+    @nn.compact
+    def __call__(self, h, anchors, context, new_rows=None):
+        """h `[B, A, T, D]`; context (k, v) `[B, S, K, H]`; new_rows (latent `[B, C, D]`, positions `[B, C]`,
+        starts `[B]`) to project and write into the context first -> (h, context)."""
+        cfg = self.config
+        target = cfg.target
+        dtype, pdtype, eps = cfg.compute_dtype, cfg.storage_dtype, target.rms_norm_eps
+        attention = target.replace(dtype=dtype, param_dtype=pdtype, qk_norm=cfg.attention_qk_norm)
+        attn = DraftAttention(attention, cfg.sliding_window, cfg.block_causal, cfg.attention_impl, name="self_attn")
+        if new_rows is not None:
+            latent, positions, starts = new_rows
+            k_new, v_new = attn.key_value(latent, positions)
+            context = (write_rows(context[0], k_new, starts), write_rows(context[1], v_new, starts))
+        h = h + attn(RMSNorm(eps, pdtype, name="input_layernorm")(h), anchors, context)
+        mlp = MLP(target.hidden_size, cfg.mlp_size, False, dtype, pdtype, name="mlp")
+        return h + mlp(RMSNorm(eps, pdtype, name="post_attention_layernorm")(h)), context
+
+
+class DFlash(nn.Module):
+    config: DFlashConfig
+
+    @nn.compact
+    def __call__(self, embeds, anchors, context_kv, prev_tokens=None, new_context=None) -> DraftOutput:
+        """embeds `[B, A, T, D]`; anchors `[B, A]`; context_kv: per layer (k, v) `[B, S, K, H]` (the drafter
+        cache, or with kv_source="target" the mapped target layers); new_context (taps `[B, C, F*D]`,
+        positions `[B, C]`): context rows to inject first, written at rows positions[:, 0] onwards."""
+        cfg = self.config
+        target = cfg.target
+        dtype, pdtype = cfg.compute_dtype, cfg.storage_dtype
+        new_rows = None
+        if new_context is not None:
+            if cfg.kv_source == "target":
+                raise ValueError("DFlash with kv_source='target' reads the target cache and injects nothing")
+            taps, positions = new_context
+            fc = dense(target.hidden_size, "fc", dtype=dtype, param_dtype=pdtype)
+            latent = RMSNorm(target.rms_norm_eps, pdtype, name="hidden_norm")(fc(taps.astype(dtype)))
+            new_rows = (latent, positions, positions[:, 0])
+        h = embeds.astype(dtype)
+        updated = []
+        for i in range(cfg.num_layers):
+            h, context = DFlashLayer(cfg, name=f"layers_{i}")(h, anchors, context_kv[i], new_rows)
+            updated.append(context)
+        hidden, logits = draft_logits(self, cfg, h)
+        markov = MarkovHead(target.vocab_size, cfg.vocab_size, cfg.markov_rank, pdtype, name="markov_head")
+        out = apply_heads(cfg, markov, ConfidenceHead(pdtype, name="confidence_head"), hidden, logits, prev_tokens)
+        return out._replace(context_kv=tuple(updated) if new_context is not None else None)
+
+
+def target_kv_for(config: DFlashConfig, cache) -> tuple[tuple[jax.Array, jax.Array], ...]:
+    """kv_source="target": the mapped target layers' (k, v), read in place."""
+    return tuple(cache.layer(i) for i in config.target_kv_layer_ids)
+
+
+def empty_context(config: DFlashConfig, batch: int, capacity: int, dtype=None) -> tuple:
+    """A zeroed drafter-side cache: per layer (k, v) `[B, capacity, K, H]`."""
+    shape = (batch, capacity, config.target.num_kv_heads, config.target.head_dim)
+    dtype = dtype or config.compute_dtype
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers))

@@ -1,0 +1,1 @@
+"""Pallas kernels, each beside its readable jnp reference and one dispatching entry point."""
