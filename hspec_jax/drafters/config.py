@@ -181,6 +181,31 @@ class DFlashConfig(DrafterCommon):
 
 
 DrafterConfig = HSpecConfig | DFlashConfig
+# The target fields a drafter depends on: its embedding/vocabulary, hidden size, tapped layers, KV geometry, RoPE.
+TARGET_ARCH_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "qk_norm",
+    "rope_theta",
+    "rope_scaling",
+)
+
+
+def check_target(drafter: DrafterConfig, target: TargetConfig) -> None:
+    """Raise a clear error if `drafter` was built for a target with a different architecture."""
+    wrong = [
+        f"{f}: drafter expects {getattr(drafter.target, f)}, target has {getattr(target, f)}"
+        for f in TARGET_ARCH_FIELDS
+        if getattr(drafter.target, f) != getattr(target, f)
+    ]
+    if wrong:
+        raise ValueError("drafter and target do not match (" + "; ".join(wrong) + ")")
+
+
 DRAFTER_KINDS = ("hspec", "hspec_kv_only", "hspec_last_token", "dflash", "dspark", "dflash_target_kv")
 
 

@@ -1,0 +1,172 @@
+"""Drafter step time T_D(k=7): H-Spec vs DFlash vs DSpark, over batch size and context length, on CPU.
+
+    python -m benchmarks.drafter_forward [--quick]
+
+One drafter step = everything the drafter does per decoding step: for DFlash/DSpark, inject the K/V of the
+k+1 rows the target just verified into the drafter-side cache (fc + every layer's k/v projections, written
+in place) and draft; for H-Spec, fuse the last position's hidden states into the SSM seed and draft while
+reading the target's KV cache in place. Drafting includes choosing the 7 tokens (sequential Markov head for
+H-Spec and DSpark). Weights are random (speed does not depend on them); the target's KV cache is random
+data of the right shape. Also times the three Mamba-2 scan forms at block 8 (the mixer's default is the
+fastest). Writes `benchmarks/results/drafter_forward.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import median_time, write_report
+from configs.common import drafter_from_recipe, load_config, target_config
+from hspec_jax.decoding import SamplingConfig
+from hspec_jax.drafters import drafter_module, empty_context, full_vocab, init_drafter, propose
+from hspec_jax.drafters.mamba2 import SCAN_IMPLS, ssd
+
+KINDS = ("hspec", "dflash", "dspark")
+
+
+def drafter_step_fn(config):
+    """A jitted step `(params, embedding, context, lengths, seed_or_rows, block, rng) -> (tokens, context)`."""
+    module = drafter_module(config)
+    vocab = full_vocab(config.vocab_size)  # id maps only; pruning is in the lm_head size
+    greedy = SamplingConfig()
+
+    def step(params, embedding, context, lengths, extra, block, rng):
+        embeds = embedding[block][:, None]
+        anchors = lengths[:, None]
+        if config.kind == "hspec":
+            out = module.apply({"params": params}, embeds, anchors, extra[:, None], context)
+        else:
+            taps = extra  # [B, k+1, F*D]: rows verified last step, at positions lengths - (k+1) ..
+            positions = lengths[:, None] - taps.shape[1] + jnp.arange(taps.shape[1])
+            out = module.apply({"params": params}, embeds, anchors, context, None, (taps, positions))
+            context = out.context_kv
+        markov = params.get("markov_head")
+        proposal = propose(out.logits[:, 0, 1:], block[:, 0], vocab, greedy, rng, markov)
+        return proposal.tokens, context
+
+    # DFlash's cache is donated and updated in place; H-Spec only reads the target's cache.
+    return jax.jit(step, donate_argnums=() if config.kind == "hspec" else (2,))
+
+
+def time_step(recipe, kind, batch, context_len, repeats):
+    target = target_config(recipe)
+    config = drafter_from_recipe(recipe, kind, target)
+    rng = np.random.default_rng(0)
+    params = jax.jit(lambda: init_drafter(config, jax.random.key(0)))()
+    embedding = jnp.asarray(rng.standard_normal((target.vocab_size, target.hidden_size), np.float32) * 0.02)
+    kv_shape = (batch, context_len + 64, target.num_kv_heads, target.head_dim)
+    lengths = jnp.full((batch,), context_len, jnp.int32)
+    block = jnp.concatenate(
+        [jnp.ones((batch, 1), jnp.int32), jnp.full((batch, config.num_drafts), config.mask_token_id)], axis=1
+    )
+    fused = len(config.fusion_layer_ids) * target.hidden_size
+    fresh_kv = lambda n: tuple(
+        (jnp.asarray(rng.standard_normal(kv_shape, np.float32)), jnp.asarray(rng.standard_normal(kv_shape, np.float32)))
+        for _ in range(n)
+    )
+    if kind == "hspec":
+        context = fresh_kv(len(config.attn_kv_layer_ids))  # stands for the target's own cache layers
+        extra = jnp.ones((batch, fused), jnp.float32)
+    else:
+        context = jax.tree.map(lambda x: x + 1.0, empty_context(config, batch, context_len + 64))
+        extra = jnp.ones((batch, config.block_size, fused), jnp.float32)
+    step = drafter_step_fn(config)
+    state = {"context": context}
+
+    def once():
+        tokens, ctx = step(params, embedding, state["context"], lengths, extra, block, jax.random.key(1))
+        if kind != "hspec":
+            state["context"] = ctx  # DFlash's cache is donated and updated in place
+        tokens.block_until_ready()
+
+    once()
+    return median_time(once, repeats)
+
+
+def scan_forms(batch_sizes, repeats):
+    """The SSM scan alone (no projections) at block 8, P=64, N=4, G=4: {(heads, batch): {impl: seconds}}."""
+    results = {}
+    for heads in (8, 48):
+        for batch in batch_sizes:
+            ks = jax.random.split(jax.random.key(0), 7)
+            x = jax.random.normal(ks[0], (batch, 8, heads, 64))
+            dt = jax.nn.softplus(jax.random.normal(ks[1], (batch, 8, heads)))
+            a = -jnp.exp(jax.random.normal(ks[2], (heads,)))
+            b, c = (jax.random.normal(k, (batch, 8, 4, 4)) for k in ks[3:5])
+            d, s0 = jax.random.normal(ks[5], (heads,)), jax.random.normal(ks[6], (batch, heads, 64, 4))
+            row = {}
+            for impl in SCAN_IMPLS:
+                fn = jax.jit(functools.partial(ssd, impl=impl))
+                args = (x, dt, a, b, c, d, s0)
+                jax.block_until_ready(fn(*args))
+                row[impl] = median_time(lambda fn=fn, args=args: jax.block_until_ready(fn(*args)), repeats * 4)
+            results[(heads, batch)] = row
+            print(heads, batch, {k: f"{v * 1e3:.3f}ms" for k, v in row.items()}, flush=True)
+    return results
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a small grid (for a smoke run)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results/drafter_forward.md")
+    args = parser.parse_args(argv)
+    batches, contexts = ((1, 4), (256, 1024)) if args.quick else ((1, 4, 16, 32), (256, 1024, 4096))
+    paper_grid = ((1, 512),) if args.quick else ((1, 512), (1, 4096), (8, 512), (8, 4096))
+
+    lines = [
+        "# Drafter step time T_D(k=7) on CPU: H-Spec vs DFlash vs DSpark",
+        "",
+        f"Command: `python -m benchmarks.drafter_forward{' --quick' if args.quick else ''}`  ",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, jax {jax.__version__}, fp32, reference attention "
+        "(the CPU path). Median of the repeats, after compilation.",
+        "",
+        "A step is what each drafter does per decoding step: DFlash/DSpark inject the K/V of the 8 rows the target "
+        "just verified into their own cache and then draft; H-Spec seeds its SSM from the last position and drafts "
+        "while reading the target's cache in place. Ratio < 1 means H-Spec is faster.",
+        "",
+    ]
+    for name, grid in (("smollm2", [(b, c) for c in contexts for b in batches]), ("qwen3_8b", paper_grid)):
+        recipe = load_config(f"configs/{name}.py")
+        lines += [
+            f"## {recipe.target.name} sized drafters",
+            "",
+            "| batch | context | H-Spec ms | DFlash ms | DSpark ms | H-Spec / DFlash | H-Spec / DSpark |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for batch, context_len in grid:
+            t = {kind: time_step(recipe, kind, batch, context_len, args.repeats) for kind in KINDS}
+            lines.append(
+                f"| {batch} | {context_len} | {t['hspec'] * 1e3:.1f} | {t['dflash'] * 1e3:.1f} | "
+                f"{t['dspark'] * 1e3:.1f} | {t['hspec'] / t['dflash']:.2f} | {t['hspec'] / t['dspark']:.2f} |"
+            )
+            print(lines[-1], flush=True)
+        lines.append("")
+
+    scans = scan_forms((1, 8) if args.quick else (1, 8, 32), args.repeats)
+    lines += [
+        "## Mamba-2 scan forms at block 8 (the SSM scan alone, ms)",
+        "",
+        "| heads | batch | " + " | ".join(SCAN_IMPLS) + " | fastest |",
+        "|---|---|" + "---|" * (len(SCAN_IMPLS) + 1),
+    ]
+    totals = {impl: sum(row[impl] for row in scans.values()) for impl in SCAN_IMPLS}
+    for (heads, batch), row in scans.items():
+        best = min(row, key=row.get)
+        cells = " | ".join(f"{row[impl] * 1e3:.3f}" for impl in SCAN_IMPLS)
+        lines.append(f"| {heads} | {batch} | {cells} | {best} |")
+    total_cells = ", ".join(f"{impl} {t * 1e3:.2f} ms" for impl, t in totals.items())
+    fastest = min(totals, key=totals.get)
+    lines += ["", f"Lowest total over the grid (the mixer's default): **{fastest}** ({total_cells})."]
+    write_report(args.out, lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""The jitted draft-and-verify engine: speculative decoding with any drafter, batched, ragged, lossless.
+
+Per step, for every sequence of the batch (all on device, in one `lax.while_loop`):
+
+1. the block drafted at the end of the previous step, [anchor, d_1 .. d_k], is verified in ONE target
+   forward over its k+1 positions (fixed length, whatever the sequence accepted before);
+2. an acceptance rule (`acceptance.py`) keeps a prefix of n drafts plus one target token;
+3. commit: the sequence's committed length grows by n + 1; the rejected rows the verification wrote stay
+   beyond the committed length and are overwritten later (no rollback, no dynamic shapes);
+4. the next block is drafted from the new state: H-Spec reads the target's cache in place and seeds its
+   SSM from the hidden states at the last committed position; DFlash/DSpark first inject the k+1 rows just
+   verified into their own cache (only the committed ones are ever read).
+
+Sequences stop at EOS, `max_new_tokens`, or when the cache has no room for another block of k+1 rows.
+Statistics come back with the tokens: steps, accepted drafts, and per draft index how often it was reached
+(all earlier drafts accepted) and accepted, so tau and conditional acceptance rates can be reported.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from hspec_jax.decoding.acceptance import greedy_accept, speculative_accept
+from hspec_jax.decoding.autoregressive import is_eos
+from hspec_jax.decoding.sampling import SamplingConfig, probabilities, sample
+from hspec_jax.drafters.api import draft_block
+from hspec_jax.drafters.config import DFlashConfig, DrafterConfig, HSpecConfig, check_target
+from hspec_jax.drafters.heads import propose
+from hspec_jax.drafters.vocab import DraftVocab
+from hspec_jax.models.config import TargetConfig
+from hspec_jax.models.decoder import embedding_matrix, forward
+from hspec_jax.models.kv_cache import KVCache, commit
+
+
+class SpecStats(NamedTuple):
+    steps: jax.Array  # [B] draft-and-verify steps while the sequence was active
+    accepted: jax.Array  # [B] drafted tokens accepted in total
+    reached_at: jax.Array  # [B, k] steps in which draft i was verified with all earlier drafts accepted
+    accepted_at: jax.Array  # [B, k] steps in which draft i was accepted
+
+    def tau(self) -> float:
+        """Mean accepted length per step, counting the bonus/correction token (1 <= tau <= k + 1)."""
+        steps = float(jnp.sum(self.steps))
+        return (float(jnp.sum(self.accepted)) + steps) / max(steps, 1.0)
+
+    def acceptance_by_position(self) -> list[float]:
+        """Conditional acceptance rate of draft index i (given it was reached), over the whole batch."""
+        reached, accepted = jnp.sum(self.reached_at, axis=0), jnp.sum(self.accepted_at, axis=0)
+        return [float(a) / float(r) if r else float("nan") for a, r in zip(accepted, reached, strict=True)]
+
+
+class SpecState(NamedTuple):
+    """The loop carry, minus the two caches (donated separately so they are updated in place)."""
+
+    step: jax.Array
+    tokens: jax.Array  # [B, max_new_tokens + k + 1] output buffer
+    num: jax.Array  # [B] tokens emitted
+    done: jax.Array  # [B]
+    anchor: jax.Array  # [B] last emitted token, slot 0 of the drafted block; not in the target cache yet
+    draft: jax.Array  # [B, k] drafted target ids
+    draft_probs: jax.Array  # [B, k, Vd] their distributions (sampling) or [B, k, 1] (greedy)
+    seed: jax.Array  # [B, F*D] H-Spec: fused taps at the last committed position
+    stats: SpecStats
+    rng: jax.Array
+
+
+class SpecGeneration(NamedTuple):
+    tokens: jax.Array  # [B, max_new_tokens]
+    num_tokens: jax.Array  # [B]
+    stats: SpecStats
+    cache: KVCache  # the target cache
+    context: tuple  # DFlash/DSpark: the drafter-side cache, a real buffer (empty for H-Spec)
+
+
+def _draft_next(
+    target_params,
+    drafter_params,
+    drafter: DrafterConfig,
+    vocab,
+    sampling,
+    cache,
+    anchor,
+    seed,
+    context,
+    new_context,
+    rng,
+):
+    """Draft k tokens after `anchor` (at position cache.lengths) -> (tokens, probs, context)."""
+    k = drafter.num_drafts
+    block = jnp.concatenate([anchor[:, None], jnp.full((anchor.shape[0], k), drafter.mask_token_id, jnp.int32)], 1)
+    kw = {}
+    if isinstance(drafter, HSpecConfig):
+        kw = dict(target_cache=cache, seed_hidden=seed)
+    elif drafter.kv_source == "target":
+        kw = dict(target_cache=cache)
+    else:
+        kw = dict(context_kv=context, new_context=new_context)
+    out = draft_block(drafter_params, drafter, embedding_matrix(target_params), block, cache.lengths, **kw)
+    proposal = propose(out.logits[:, 1:], anchor, vocab, sampling, rng, drafter_params.get("markov_head"))
+    probs = proposal.probs if not sampling.greedy else jnp.zeros((anchor.shape[0], k, 1), jnp.float32)
+    return proposal.tokens, probs, (out.context_kv if out.context_kv is not None else context)
+
+
+def _fused(hidden: tuple[jax.Array, ...]) -> jax.Array:
+    return jnp.concatenate(hidden, axis=-1)
+
+
+def _room(cache: KVCache, k: int) -> jax.Array:
+    """[B] whether another block of k+1 rows fits after the committed rows."""
+    return cache.lengths + k + 1 <= cache.capacity
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("target", "drafter", "sampling", "max_new_tokens", "eos_ids", "pad_id"),
+    donate_argnames=("cache", "context"),
+)
+def spec_prefill(
+    target_params: dict,
+    target: TargetConfig,
+    drafter_params: dict,
+    drafter: DrafterConfig,
+    vocab: DraftVocab,
+    prompts: jax.Array,
+    lengths: jax.Array,
+    cache: KVCache,
+    context: tuple,
+    rng: jax.Array,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    eos_ids: tuple[int, ...] = (),
+    pad_id: int = 0,
+) -> tuple[SpecState, KVCache, tuple]:
+    """Prefill the target on right-padded `prompts [B, T]`, sample the first token, draft the first block.
+    Returns the loop state, the target cache and the drafter-side cache (empty unless DFlash/DSpark)."""
+    k = drafter.num_drafts
+    batch, width = prompts.shape
+    first_rng, draft_rng, loop_rng = jax.random.split(rng, 3)
+    out = forward(target_params, target, prompts, cache, drafter.fusion_layer_ids)
+    last = jnp.take_along_axis(out.logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    token = sample(first_rng, last, sampling)
+    cache = commit(out.cache, lengths)
+    taps = _fused(out.hidden)  # [B, T, F*D]
+    seed = jnp.take_along_axis(taps, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    new_context = None
+    if isinstance(drafter, DFlashConfig) and drafter.kv_source == "inject":
+        new_context = (taps, jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width)))
+    draft, probs, context = _draft_next(
+        target_params, drafter_params, drafter, vocab, sampling, cache, token, seed, context, new_context, draft_rng
+    )
+    tokens = jnp.full((batch, max_new_tokens + k + 1), pad_id, jnp.int32).at[:, 0].set(token)
+    num = jnp.ones((batch,), jnp.int32)
+    done = is_eos(token, eos_ids) | (num >= max_new_tokens) | ~_room(cache, k)
+    zeros = jnp.zeros((batch,), jnp.int32)
+    stats = SpecStats(zeros, zeros, jnp.zeros((batch, k), jnp.int32), jnp.zeros((batch, k), jnp.int32))
+    state = SpecState(jnp.int32(0), tokens, num, done, token, draft, probs, seed, stats, loop_rng)
+    return state, cache, context
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("target", "drafter", "sampling", "max_new_tokens", "eos_ids", "pad_id"),
+    donate_argnames=("cache", "context"),
+)
+def spec_decode(
+    target_params: dict,
+    target: TargetConfig,
+    drafter_params: dict,
+    drafter: DrafterConfig,
+    vocab: DraftVocab,
+    state: SpecState,
+    cache: KVCache,
+    context: tuple,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    eos_ids: tuple[int, ...] = (),
+    pad_id: int = 0,
+) -> SpecGeneration:
+    """Run draft-and-verify steps on device until every sequence is done (see the module docstring)."""
+    k = drafter.num_drafts
+    batch = state.anchor.shape[0]
+    slots = jnp.arange(k + 1)
+
+    def cond(carry):
+        s = carry[0]
+        return (s.step < max_new_tokens) & ~jnp.all(s.done)
+
+    def body(carry):
+        s, cache, context = carry
+        accept_rng, draft_rng, rng = jax.random.split(s.rng, 3)
+        active = ~s.done
+        start = cache.lengths
+        out = forward(
+            target_params, target, jnp.concatenate([s.anchor[:, None], s.draft], 1), cache, drafter.fusion_layer_ids
+        )
+        if sampling.greedy:
+            n, nxt = greedy_accept(s.draft, out.logits)
+        else:
+            q = jnp.zeros((batch, k, target.vocab_size), jnp.float32).at[:, :, vocab.d2t].set(s.draft_probs)
+            n, nxt = speculative_accept(accept_rng, s.draft, q, probabilities(out.logits, sampling))
+        n = jnp.where(active, n, 0)
+        cache = commit(out.cache, jnp.where(active, n + 1, 0))
+        # Emit d_1..d_n then the target's token; cut after the first EOS and at max_new_tokens.
+        emitted = jnp.where(slots < n[:, None], jnp.pad(s.draft, ((0, 0), (0, 1))), nxt[:, None])
+        keep = slots <= n[:, None]
+        eos_hits = is_eos(emitted, eos_ids) & keep
+        first_eos = jnp.where(eos_hits.any(-1), jnp.argmax(eos_hits, -1), k + 1)
+        count = jnp.minimum(jnp.minimum(n + 1, first_eos + 1), max_new_tokens - s.num)
+        count = jnp.where(active, count, 0)
+        write_at = jnp.where(slots < count[:, None], s.num[:, None] + slots, s.tokens.shape[1])  # past end: dropped
+        tokens = s.tokens.at[jnp.arange(batch)[:, None], write_at].set(emitted, mode="drop")
+        num = s.num + count
+        done = s.done | (eos_hits & (slots < count[:, None])).any(-1) | (num >= max_new_tokens) | ~_room(cache, k)
+        on = active[:, None].astype(jnp.int32)
+        stats = SpecStats(
+            s.stats.steps + active,
+            s.stats.accepted + n,
+            s.stats.reached_at + on * (slots[:k] <= n[:, None]),
+            s.stats.accepted_at + on * (slots[:k] < n[:, None]),
+        )
+        taps = _fused(out.hidden)  # [B, k+1, F*D] at positions start .. start+k
+        seed = jnp.take_along_axis(taps, n[:, None, None], axis=1)[:, 0]  # the last committed row
+        new_context = (taps, start[:, None] + slots) if context else None
+        draft, probs, context = _draft_next(
+            target_params, drafter_params, drafter, vocab, sampling, cache, nxt, seed, context, new_context, draft_rng
+        )
+        return SpecState(s.step + 1, tokens, num, done, nxt, draft, probs, seed, stats, rng), cache, context
+
+    final, cache, context = jax.lax.while_loop(cond, body, (state, cache, context))
+    return SpecGeneration(final.tokens[:, :max_new_tokens], final.num, final.stats, cache, context)
+
+
+def speculative_generate(
+    target_params: dict,
+    target: TargetConfig,
+    drafter_params: dict,
+    drafter: DrafterConfig,
+    vocab: DraftVocab,
+    prompts: jax.Array,
+    lengths: jax.Array,
+    *,
+    max_new_tokens: int,
+    rng: jax.Array | None = None,
+    sampling: SamplingConfig = SamplingConfig(),
+    eos_ids: tuple[int, ...] = (),
+    pad_id: int = 0,
+    cache_capacity: int | None = None,
+) -> SpecGeneration:
+    """Prefill, then draft-and-verify until done. `cache_capacity` defaults to the longest prompt plus
+    `max_new_tokens` plus one block, so the cache never stops a sequence before `max_new_tokens`."""
+    from hspec_jax.drafters.dflash import empty_context
+    from hspec_jax.models.kv_cache import check_capacity, init_cache
+
+    k = drafter.num_drafts
+    check_target(drafter, target)
+    capacity = cache_capacity or int(jnp.max(lengths)) + max_new_tokens + k + 1
+    check_capacity(jax.device_get(lengths), k + 1, capacity)
+    rng = jax.random.key(0) if rng is None else rng
+    cache = init_cache(target, prompts.shape[0], capacity)
+    context = ()
+    if isinstance(drafter, DFlashConfig) and drafter.kv_source == "inject":
+        context = empty_context(drafter, prompts.shape[0], capacity)
+    kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
+    state, cache, context = spec_prefill(
+        target_params, target, drafter_params, drafter, vocab, prompts, lengths, cache, context, rng, **kw
+    )
+    return spec_decode(target_params, target, drafter_params, drafter, vocab, state, cache, context, **kw)

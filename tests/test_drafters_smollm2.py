@@ -1,0 +1,85 @@
+"""Every drafter on the embedded SmolLM2 target, with target state from a real prefill of a chat prompt."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs.common import drafter_from_recipe, load_config
+from hspec_jax.drafters import DRAFTER_KINDS, draft_block, drafter_module, empty_context, init_drafter, init_from_target
+from hspec_jax.drafters.api import block_inputs, seed_hidden_at
+from hspec_jax.drafters.vocab import build_draft_vocab
+from hspec_jax.models import commit, forward, init_cache
+
+pytestmark = pytest.mark.slow
+RECIPE = load_config("configs/smollm2.py")
+
+
+@pytest.fixture(scope="module")
+def prefill(smollm2, chat_prompt):
+    config, params = smollm2
+    tokens = jnp.asarray([chat_prompt])
+    out = jax.jit(lambda p, t, c: forward(p, config, t, c, RECIPE.drafter.fusion_layer_ids))(
+        params, tokens, init_cache(config, 1, 128)
+    )
+    cache = commit(out.cache, jnp.array([tokens.shape[1]]))
+    vocab = build_draft_vocab(np.asarray(tokens), config.vocab_size, RECIPE.drafter.draft_vocab_size)
+    return tokens, cache, jnp.concatenate(out.hidden, axis=-1), vocab
+
+
+@pytest.mark.parametrize("kind", DRAFTER_KINDS)
+def test_forward_on_real_target_state(kind, smollm2, prefill):
+    target, target_params = smollm2
+    tokens, cache, hidden, vocab = prefill
+    config = drafter_from_recipe(RECIPE, kind, target)
+    params = init_from_target(init_drafter(config, jax.random.key(0)), config, target_params, vocab)
+    anchor = cache.lengths
+    block = jnp.concatenate([tokens[:, -1:], jnp.full((1, config.num_drafts), config.mask_token_id)], axis=1)
+    if kind.startswith("hspec"):
+        kw = dict(target_cache=cache, seed_hidden=hidden[:, -1])
+    elif kind == "dflash_target_kv":
+        kw = dict(target_cache=cache)
+    else:
+        positions = jnp.arange(hidden.shape[1])[None]
+        kw = dict(context_kv=empty_context(config, 1, 128), new_context=(hidden, positions))
+    embedding = target_params["embed_tokens"]["embedding"]
+    out = jax.jit(lambda p, kw: draft_block(p, config, embedding, block, anchor, **kw))(params, kw)
+    assert out.logits.shape == (1, 8, 32000) and bool(jnp.isfinite(out.logits).all())
+    assert float(out.logits.std()) > 0
+
+
+@pytest.mark.parametrize("kind", ["hspec", "dspark"])
+def test_gradients_on_real_target_state(kind, smollm2, prefill):
+    target, target_params = smollm2
+    tokens, cache, hidden, vocab = prefill
+    config = drafter_from_recipe(RECIPE, kind, target)
+    params = init_from_target(init_drafter(config, jax.random.key(0)), config, target_params, vocab)
+    anchors = jnp.array([[5, 17, 30]])
+    block, prev, labels = block_inputs(tokens, anchors, config.block_size, config.mask_token_id)
+    embeds = target_params["embed_tokens"]["embedding"][block]
+    draft_labels = jnp.clip(jnp.cumsum(vocab.t2d) - 1, 0)[labels]
+    positions = jnp.arange(hidden.shape[1])[None]
+
+    def loss(p):
+        module = drafter_module(config)
+        if kind == "hspec":
+            kv = tuple(cache.layer(i) for i in config.attn_kv_layer_ids)
+            out = module.apply({"params": p}, embeds, anchors, seed_hidden_at(hidden, anchors), kv, prev)
+        else:
+            out = module.apply({"params": p}, embeds, anchors, empty_context(config, 1, 128), prev, (hidden, positions))
+        logp = jax.nn.log_softmax(out.logits)
+        return -jnp.take_along_axis(logp, draft_labels[..., None], -1)[:, :, 1:].mean()
+
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
+    assert np.isfinite(float(value))
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+    assert (
+        float(
+            jnp.abs(
+                grads["layers_0"]["ssm" if kind == "hspec" else "mlp"]["out_proj" if kind == "hspec" else "down_proj"][
+                    "kernel"
+                ]
+            ).sum()
+        )
+        > 0
+    )
