@@ -12,7 +12,7 @@ def test_params_table_matches_the_papers_parameter_budget(capsys):
     assert "H-Spec vs DSpark: -2.94% trainable parameters" in out  # the paper: within 2.9%
     for config in ("configs/llama.py", "configs/qwen3_4b.py"):
         assert params.main(["--config", config]) == 0
-        line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("H-Spec vs DSpark")][0]
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("H-Spec vs DSpark"))
         assert abs(float(line.split(":")[1].split("%")[0])) < 2.95
 
 

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from hspec_jax import parallel
 from hspec_jax.decoding.sampling import SamplingConfig, sample
 from hspec_jax.models.config import TargetConfig
 from hspec_jax.models.decoder import forward
@@ -113,13 +114,19 @@ def generate(
     eos_ids: tuple[int, ...] = (),
     pad_id: int = 0,
     cache_capacity: int | None = None,
+    mesh=None,
 ) -> Generation:
-    """Prefill then decode. `cache_capacity` defaults to the longest prompt plus `max_new_tokens`."""
+    """Prefill then decode. `cache_capacity` defaults to the longest prompt plus `max_new_tokens`. With a
+    `mesh` (`hspec_jax.parallel.make_mesh`), params, batch and cache are sharded and the loop runs SPMD."""
     capacity = cache_capacity or int(jnp.max(lengths)) + max_new_tokens
     check_capacity(jax.device_get(lengths), 0, capacity)
     rng = jax.random.key(0) if rng is None else rng
     first_rng, loop_rng = jax.random.split(rng)
     cache = init_cache(config, prompts.shape[0], capacity)
+    if mesh is not None:
+        params = parallel.shard_params(params, mesh, config.head_dim)
+        prompts, lengths = parallel.shard_batch(mesh, prompts, lengths)
+        cache = parallel.shard_kv(mesh, cache)
     pre = prefill(params, config, prompts, lengths, cache, first_rng, sampling)
     return decode(
         params,

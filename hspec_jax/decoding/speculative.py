@@ -24,16 +24,18 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from hspec_jax import parallel
 from hspec_jax.decoding.acceptance import greedy_accept, speculative_accept
 from hspec_jax.decoding.autoregressive import is_eos
 from hspec_jax.decoding.sampling import SamplingConfig, probabilities, sample
 from hspec_jax.drafters.api import draft_block
 from hspec_jax.drafters.config import DFlashConfig, DrafterConfig, HSpecConfig, check_target
+from hspec_jax.drafters.dflash import empty_context
 from hspec_jax.drafters.heads import propose
 from hspec_jax.drafters.vocab import DraftVocab
 from hspec_jax.models.config import TargetConfig
 from hspec_jax.models.decoder import embedding_matrix, forward
-from hspec_jax.models.kv_cache import KVCache, commit
+from hspec_jax.models.kv_cache import KVCache, check_capacity, commit, init_cache
 
 
 class SpecStats(NamedTuple):
@@ -251,12 +253,11 @@ def speculative_generate(
     eos_ids: tuple[int, ...] = (),
     pad_id: int = 0,
     cache_capacity: int | None = None,
+    mesh=None,
 ) -> SpecGeneration:
     """Prefill, then draft-and-verify until done. `cache_capacity` defaults to the longest prompt plus
-    `max_new_tokens` plus one block, so the cache never stops a sequence before `max_new_tokens`."""
-    from hspec_jax.drafters.dflash import empty_context
-    from hspec_jax.models.kv_cache import check_capacity, init_cache
-
+    `max_new_tokens` plus one block, so the cache never stops a sequence before `max_new_tokens`. With a
+    `mesh`, both models' params, the batch and the caches are sharded and the whole loop runs SPMD."""
     k = drafter.num_drafts
     check_target(drafter, target)
     capacity = cache_capacity or int(jnp.max(lengths)) + max_new_tokens + k + 1
@@ -266,6 +267,11 @@ def speculative_generate(
     context = ()
     if isinstance(drafter, DFlashConfig) and drafter.kv_source == "inject":
         context = empty_context(drafter, prompts.shape[0], capacity)
+    if mesh is not None:
+        target_params = parallel.shard_params(target_params, mesh, target.head_dim)
+        drafter_params = parallel.shard_params(drafter_params, mesh, target.head_dim)
+        prompts, lengths = parallel.shard_batch(mesh, prompts, lengths)
+        cache, context = parallel.shard_kv(mesh, (cache, context))
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
     state, cache, context = spec_prefill(
         target_params, target, drafter_params, drafter, vocab, prompts, lengths, cache, context, rng, **kw

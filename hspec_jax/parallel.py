@@ -1,0 +1,122 @@
+"""Device meshes and sharding rules: the distributed engine is plain JAX SPMD (GSPMD).
+
+A mesh has two axes, `data` (batch) and `model` (tensor parallelism). Parameters are sharded by
+logical axis, found from their path in the param dict:
+
+    vocab  -> model   embedding / lm_head rows, Markov head vocabulary axes
+    heads  -> model   q/k/v output features and o_proj input features (whole heads per shard)
+    mlp    -> model   the SwiGLU intermediate width
+    batch  -> data    prompts, KV caches, per-sequence lengths
+
+Everything else (norms, Mamba mixers, fusion projections) is replicated. A dimension that the mesh axis
+does not divide (e.g. 3 KV heads on model=2) is replicated rather than split unevenly. The jitted
+decoding loops need no changes: inputs placed with these shardings make XLA partition the whole loop,
+inserting the collectives. On one device every spec is trivially replicated.
+
+Many hosts: call `jax.distributed.initialize()` first in every process (one process per host, same
+program); `jax.devices()` then lists the global devices and `make_mesh` spans all of them. Load or create
+parameters on every host and place them with `shard_params` (each host keeps only its shards);
+prompts must be the same global batch on every host.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+AXES = ("data", "model")
+LOGICAL_TO_MESH = {"batch": "data", "vocab": "model", "heads": "model", "mlp": "model"}
+# (path regex, logical axis of each dimension). First match wins; no match = replicated.
+PARAM_RULES = (
+    (r"embed_tokens/embedding$", ("vocab", None)),
+    (r"(^|/)lm_head$", ("vocab", None)),
+    (r"self_attn/[qkv]_proj/kernel$", (None, "heads")),
+    (r"self_attn/[qkv]_proj/bias$", ("heads",)),
+    (r"self_attn/o_proj/kernel$", ("heads", None)),
+    (r"mlp/(gate|up)_proj/kernel$", (None, "mlp")),
+    (r"mlp/down_proj/kernel$", ("mlp", None)),
+    (r"markov_head/markov_w1$", ("vocab", None)),
+    (r"markov_head/markov_w2$", (None, "vocab")),
+)
+
+
+def parse_mesh_spec(spec: str) -> dict[str, int]:
+    """'data=2,model=4' -> {'data': 2, 'model': 4}; missing axes are 1."""
+    sizes = dict.fromkeys(AXES, 1)
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, value = part.partition("=")
+        if name not in AXES or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"bad mesh spec {spec!r}: expected e.g. 'data=2,model=4' (axes {AXES})")
+        sizes[name] = int(value)
+    return sizes
+
+
+def make_mesh(spec: str = "data=1,model=1", devices=None) -> Mesh:
+    """A ('data', 'model') mesh over the first data*model devices."""
+    sizes = parse_mesh_spec(spec)
+    devices = list(devices if devices is not None else jax.devices())
+    needed = math.prod(sizes.values())
+    if needed > len(devices):
+        raise ValueError(f"mesh {spec!r} needs {needed} devices, only {len(devices)} available")
+    grid = np.asarray(devices[:needed], dtype=object).reshape(tuple(sizes[a] for a in AXES))
+    return Mesh(grid, AXES)
+
+
+def _path(key_path) -> str:
+    return "/".join(str(getattr(k, "key", k)) for k in key_path)
+
+
+def logical_axes(path: str, ndim: int) -> tuple:
+    for pattern, axes in PARAM_RULES:
+        if re.search(pattern, path) and len(axes) == ndim:
+            return axes
+    return (None,) * ndim
+
+
+def spec_for(mesh: Mesh, shape, axes, granule: dict[str, int] | None = None) -> PartitionSpec:
+    """PartitionSpec placing each logical axis on its mesh axis where the size divides evenly (in whole
+    `granule` units, e.g. whole heads), replicating it otherwise."""
+    out = []
+    for size, logical in zip(shape, axes, strict=True):
+        mesh_axis = LOGICAL_TO_MESH.get(logical) if logical else None
+        unit = (granule or {}).get(logical, 1)
+        parts = mesh.shape[mesh_axis] if mesh_axis else 1
+        out.append(mesh_axis if mesh_axis and parts > 1 and size % (parts * unit) == 0 else None)
+    return PartitionSpec(*out)
+
+
+def param_shardings(params, mesh: Mesh, head_dim: int):
+    """NamedSharding for every parameter (see the module docstring for the rules)."""
+    granule = {"heads": head_dim}
+    return jax.tree_util.tree_map_with_path(
+        lambda kp, x: NamedSharding(mesh, spec_for(mesh, x.shape, logical_axes(_path(kp), x.ndim), granule)), params
+    )
+
+
+def shard_params(params, mesh: Mesh, head_dim: int):
+    return jax.device_put(params, param_shardings(params, mesh, head_dim))
+
+
+def batch_sharding(mesh: Mesh, shape) -> NamedSharding:
+    """Batch-leading arrays (prompts, lengths, rng-free per-sequence state): batch on `data`."""
+    return NamedSharding(mesh, spec_for(mesh, shape, ("batch",) + (None,) * (len(shape) - 1)))
+
+
+def kv_sharding(mesh: Mesh, shape) -> NamedSharding:
+    """A KV buffer `[B, S, K, H]`: batch on `data`, KV heads on `model`."""
+    return NamedSharding(mesh, spec_for(mesh, shape, ("batch", None, "heads", None)))
+
+
+def shard_batch(mesh: Mesh, *arrays):
+    return tuple(jax.device_put(a, batch_sharding(mesh, np.shape(a))) for a in arrays)
+
+
+def shard_kv(mesh: Mesh, tree):
+    """Place every `[B, S, K, H]` buffer of a cache pytree (KVCache, DFlash context) and its `[B]` lengths."""
+    return jax.tree.map(
+        lambda x: jax.device_put(x, kv_sharding(mesh, x.shape) if x.ndim == 4 else batch_sharding(mesh, x.shape)), tree
+    )

@@ -1,0 +1,53 @@
+"""Run by tests/test_parallel.py in a subprocess with 8 host devices: decode the same prompts on one device
+and on several meshes, print the tokens as JSON."""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs.common import drafter_from_recipe, load_config, target_config
+from hspec_jax.decoding import generate, pad_batch
+from hspec_jax.decoding.speculative import speculative_generate
+from hspec_jax.drafters import init_drafter, init_from_target
+from hspec_jax.drafters.vocab import build_draft_vocab
+from hspec_jax.models import init_params
+from hspec_jax.parallel import make_mesh, shard_params
+
+assert jax.device_count() == 8, jax.devices()
+recipe = load_config("configs/tiny.py")
+target = target_config(recipe)
+params = jax.tree.map(lambda x: x * 4.0 if x.ndim == 2 else x, init_params(target, jax.random.key(0)))
+rng = np.random.default_rng(0)
+prompts = [list(rng.integers(4, target.vocab_size, n)) for n in (5, 11, 8, 3, 9, 6, 12, 4)]
+tokens, lengths = pad_batch(prompts)
+tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+vocab = build_draft_vocab(np.concatenate(prompts), target.vocab_size, recipe.drafter.draft_vocab_size, always=(2,))
+drafters = {}
+for kind in ("hspec", "dspark"):
+    config = drafter_from_recipe(recipe, kind, target)
+    drafters[kind] = (config, init_from_target(init_drafter(config, jax.random.key(1)), config, params, vocab))
+
+results = {}
+for spec in ("single", "data=8", "model=2", "data=4,model=2", "data=2,model=4"):
+    mesh = None if spec == "single" else make_mesh(spec)
+    out = {"ar": np.asarray(generate(params, target, tokens, lengths, max_new_tokens=20, mesh=mesh).tokens).tolist()}
+    for kind, (config, dparams) in drafters.items():
+        gen = speculative_generate(
+            params, target, dparams, config, vocab, tokens, lengths, max_new_tokens=20, mesh=mesh
+        )
+        out[kind] = np.asarray(gen.tokens).tolist()
+        if mesh is not None:
+            out[f"{kind}_cache_sharding"] = str(gen.cache.k[0].sharding.spec)
+    if mesh is not None:
+        placed = shard_params(params, mesh, target.head_dim)
+        out["q_proj_sharding"] = str(placed["layers_0"]["self_attn"]["q_proj"]["kernel"].sharding.spec)
+        out["embedding_sharding"] = str(placed["embed_tokens"]["embedding"].sharding.spec)
+    results[spec] = out
+print(json.dumps(results))

@@ -1,0 +1,58 @@
+"""Sharding: meshes from specs, sharding rules, and sharded decoding equal to one device (8 host devices)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from hspec_jax.parallel import logical_axes, make_mesh, parse_mesh_spec, spec_for
+
+MESHES = ("data=8", "model=2", "data=4,model=2", "data=2,model=4")
+
+
+def test_mesh_spec_parsing_and_errors():
+    assert parse_mesh_spec("data=2,model=4") == {"data": 2, "model": 4}
+    assert parse_mesh_spec("model=2") == {"data": 1, "model": 2}
+    for bad in ("pipe=2", "data=0", "data=two"):
+        with pytest.raises(ValueError, match="bad mesh spec"):
+            parse_mesh_spec(bad)
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        make_mesh("data=4,model=4")
+    assert make_mesh("data=1,model=1").shape == {"data": 1, "model": 1}
+
+
+def test_rules_shard_whole_heads_and_replicate_the_rest():
+    class FakeMesh:
+        shape = {"data": 2, "model": 4}
+
+    mesh = FakeMesh()
+    granule = {"heads": 16}
+    q = logical_axes("layers_0/self_attn/q_proj/kernel", 2)
+    assert spec_for(mesh, (64, 128), q, granule) == P(None, "model")  # 8 heads over 4
+    assert spec_for(mesh, (64, 32), logical_axes("layers_0/self_attn/k_proj/kernel", 2), granule) == P(None, None)
+    assert spec_for(mesh, (96, 64), logical_axes("embed_tokens/embedding", 2)) == P("model", None)
+    assert spec_for(mesh, (64,), logical_axes("layers_0/input_layernorm/scale", 1)) == P(None)
+    assert spec_for(mesh, (6, 10), ("batch", None)) == P("data", None)
+    assert spec_for(mesh, (3, 10), ("batch", None)) == P(None, None)  # 3 sequences do not split over 2
+
+
+@pytest.mark.slow
+def test_sharded_decoding_equals_one_device():
+    script = os.path.join(os.path.dirname(__file__), "sharded_run.py")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, cwd=root, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    single = results["single"]
+    for mesh in MESHES:
+        for method in ("ar", "hspec", "dspark"):
+            assert results[mesh][method] == single[method], (mesh, method)
+    assert results["data=8"]["hspec_cache_sharding"] == "P('data',)"
+    assert results["data=4,model=2"]["dspark_cache_sharding"] == "P('data', None, 'model')"
+    assert results["model=2"]["q_proj_sharding"] == "P(None, 'model')"
+    assert results["data=2,model=4"]["embedding_sharding"] == "P('model', None)"
+    assert jax.device_count() == 1  # the main test process is untouched
