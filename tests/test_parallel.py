@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import pytest
@@ -26,10 +27,7 @@ def test_mesh_spec_parsing_and_errors():
 
 
 def test_rules_shard_whole_heads_and_replicate_the_rest():
-    class FakeMesh:
-        shape = {"data": 2, "model": 4}
-
-    mesh = FakeMesh()
+    mesh = types.SimpleNamespace(shape={"data": 2, "model": 4})
     granule = {"heads": 16}
     q = logical_axes("layers_0/self_attn/q_proj/kernel", 2)
     assert spec_for(mesh, (64, 128), q, granule) == P(None, "model")  # 8 heads over 4
