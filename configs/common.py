@@ -25,6 +25,7 @@ def recipe(
     fusion_rank: int,
     mask_token_id: int,
     draft_vocab_size: int = 32000,
+    markov_rank: int = 256,
     path: str = "",
 ) -> ml_collections.ConfigDict:
     """The paper's recipe (DESIGN.md section 5) for one target."""
@@ -42,7 +43,7 @@ def recipe(
             "block_pattern": PAPER_BLOCK_PATTERN,
             "seed_mode": "shared",
             "sliding_window": 2048,
-            "markov_rank": 256,
+            "markov_rank": markov_rank,
             "confidence_head": True,
             "num_layers": 5,
             "mamba": {"num_heads": mamba_heads, "head_dim": 64, "d_state": 4, "n_groups": 4, "conv_kernel": 4},

@@ -2,7 +2,9 @@
 
 Taps and KV layers follow the paper's spacing (first four evenly from layer 1, the last at L-2); the Mamba
 width is 8 heads x 64 (the paper uses 0.75-1.1x the hidden size); the mask token is <empty_output> (id 16),
-a special token chat prompts never contain.
+a special token chat prompts never contain. The vocabulary-sized heads are scaled too, since at this width
+they would otherwise dominate the drafter: draft vocabulary 16384 of 49152 tokens (the paper keeps
+21-25% of its targets' vocabularies; 33% here) and Markov rank 64 (256 at hidden 4096; 576/4096 * 256 = 36).
 """
 
 from configs.common import recipe
@@ -38,4 +40,6 @@ def get_config():
         mamba_heads=8,
         fusion_rank=576,
         mask_token_id=16,
+        draft_vocab_size=16384,
+        markov_rank=64,
     )

@@ -46,3 +46,44 @@ def test_convert_refuses_to_overwrite(tmp_path, capsys):
     (tmp_path / "full" / "x").write_text("x")
     assert convert.main(["--from", "smollm2", "--to", str(tmp_path / "full")]) == 1
     assert "exists and is not empty" in capsys.readouterr().err
+
+
+SPEC_LINE = re.compile(
+    r"^spec: tau=([0-9.]+) steps=(\d+) accept_by_position=((?:[0-9.]+|nan)(?:,(?:[0-9.]+|nan)){2})$", re.M
+)
+
+
+@pytest.mark.slow
+def test_generate_with_a_random_drafter_is_lossless(capsys):
+    plain, _ = run_generate(capsys, "--target", "smollm2")
+    assert (
+        generate.main(
+            [
+                "--max-new-tokens",
+                "16",
+                "--prompt",
+                "What is the capital of France?",
+                "--target",
+                "smollm2",
+                "--drafter",
+                "random:dspark",
+                "--k",
+                "3",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    match = SPEC_LINE.search(out)
+    assert match, out
+    assert out[: DECODE_LINE.search(out).start()].strip() == plain
+    assert 1.0 <= float(match.group(1)) <= 4.0 and int(match.group(2)) >= 1
+
+
+def test_generate_rejects_bad_drafters(capsys):
+    assert generate.main(["--prompt", "hi", "--drafter", "random:eagle"]) == 1
+    assert "unknown drafter kind 'eagle'" in capsys.readouterr().err
+    assert generate.main(["--prompt", "hi", "--drafter", "/nonexistent/drafter"]) == 1
+    assert "neither random:<kind> nor a checkpoint directory" in capsys.readouterr().err
+    assert generate.main(["--prompt", "hi", "--drafter", "random:hspec", "--k", "16"]) == 1
+    assert "--k must be in 1..15" in capsys.readouterr().err

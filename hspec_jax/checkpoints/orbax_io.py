@@ -32,9 +32,7 @@ def is_orbax_target(path: str) -> bool:
 def save_target(directory: str, params: dict, config: TargetConfig, tokenizer=None) -> None:
     """Write params (Orbax), config and optionally the tokenizer; the directory appears only when complete."""
     with staged_directory(directory) as staging:
-        checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(os.path.join(staging, "params"), params)
-        checkpointer.wait_until_finished()
+        save_pytree(os.path.join(staging, "params"), params)
         if tokenizer is not None:
             tokenizer.save_pretrained(os.path.join(staging, "tokenizer"))
         with open(os.path.join(staging, MANIFEST), "w") as f:
@@ -53,15 +51,27 @@ def restore_target(directory: str, **config_overrides) -> tuple[TargetConfig, di
     hf = manifest["config"]
     config = TargetConfig.from_hf(hf, **{"param_dtype": hf.get("torch_dtype"), **config_overrides})
     expected = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
-    stored_tree = ocp.StandardCheckpointer().metadata(os.path.join(directory, "params")).item_metadata.tree
-    want = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(expected)}
-    have = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(stored_tree)}
+    params = restore_pytree(os.path.join(directory, "params"), expected)
+    return config, params
+
+
+def save_pytree(path: str, tree) -> None:
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path, tree)
+    checkpointer.wait_until_finished()
+
+
+def restore_pytree(path: str, expected):
+    """Restore an Orbax pytree after checking it holds exactly the leaves of `expected` (shapes from
+    `jax.eval_shape`), with errors naming the first missing, unknown or misshapen parameter."""
+    stored = ocp.StandardCheckpointer().metadata(path).item_metadata.tree
+    want = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(expected)}
+    have = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(stored)}
     for key in sorted(want.keys() | have.keys()):
         if key not in have:
-            raise CheckpointError(f"Orbax checkpoint is missing parameter {key}")
+            raise CheckpointError(f"checkpoint {path!r} is missing parameter {key}")
         if key not in want:
-            raise CheckpointError(f"unknown parameter {key} in Orbax checkpoint")
-        if tuple(want[key]) != have[key]:
-            raise CheckpointError(f"parameter {key} has shape {have[key]}, expected {tuple(want[key])}")
-    params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), expected)
-    return config, params
+            raise CheckpointError(f"unknown parameter {key} in checkpoint {path!r}")
+        if want[key] != have[key]:
+            raise CheckpointError(f"parameter {key} has shape {have[key]}, expected {want[key]}")
+    return ocp.StandardCheckpointer().restore(path, expected)

@@ -1,0 +1,49 @@
+"""Drafter checkpoints: Orbax round trip with config and vocabulary; strict, clear errors."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from configs.common import drafter_from_recipe, load_config, target_config
+from hspec_jax.checkpoints import CheckpointError
+from hspec_jax.checkpoints.drafter_io import restore_drafter, save_drafter
+from hspec_jax.drafters import DRAFTER_KINDS, init_drafter
+from hspec_jax.drafters.vocab import build_draft_vocab
+
+RECIPE = load_config("configs/tiny.py")
+TARGET = target_config(RECIPE)
+
+
+@pytest.mark.parametrize("kind", DRAFTER_KINDS)
+def test_round_trip(kind, tmp_path):
+    config = drafter_from_recipe(RECIPE, kind, TARGET)
+    params = init_drafter(config, jax.random.key(0))
+    vocab = build_draft_vocab(np.arange(200) % 90, TARGET.vocab_size, config.vocab_size)
+    save_drafter(str(tmp_path / "d"), params, config, vocab)
+    config2, params2, vocab2 = restore_drafter(str(tmp_path / "d"), TARGET)
+    assert config2 == config
+    jax.tree.map(np.testing.assert_array_equal, params2, params)
+    np.testing.assert_array_equal(np.asarray(vocab2.d2t), np.asarray(vocab.d2t))
+    restored_alone, _, _ = restore_drafter(str(tmp_path / "d"))  # the stored target config is enough too
+    assert restored_alone == config
+
+
+def test_mismatched_target_and_bad_checkpoints(tmp_path):
+    config = drafter_from_recipe(RECIPE, "hspec", TARGET)
+    params = init_drafter(config, jax.random.key(0))
+    vocab = build_draft_vocab([], TARGET.vocab_size, config.vocab_size)
+    save_drafter(str(tmp_path / "d"), params, config, vocab)
+    with pytest.raises(ValueError, match="hidden_size: drafter expects 64, target has 128"):
+        restore_drafter(str(tmp_path / "d"), TARGET.replace(hidden_size=128))
+    manifest = tmp_path / "d" / "hspec_drafter.json"
+    data = json.loads(manifest.read_text())
+    data["config"]["fields"]["mamba"]["num_heads"] = 8  # the stored params no longer fit the config
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(
+        CheckpointError, match=r"parameter \['layers_0'\]\['ssm'\]\['A_log'\] has shape \(4,\), expected \(8,\)"
+    ):
+        restore_drafter(str(tmp_path / "d"))
+    with pytest.raises(CheckpointError, match="not an hspec-jax drafter checkpoint"):
+        restore_drafter(str(tmp_path))
