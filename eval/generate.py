@@ -185,14 +185,26 @@ class Placement:
         return tree if self.mesh is None else parallel.shard_kv(self.mesh, tree)
 
 
+def check_drafter_args(spec: str | None, k: int | None) -> None:
+    """Fail fast, before any model is loaded, on a drafter spec or k that cannot work."""
+    if k is not None and not 1 <= k <= 15:
+        raise ValueError(f"--k must be in 1..15, got {k}")
+    if spec is None:
+        return
+    if spec.startswith("random:"):
+        kind = spec.split(":", 1)[1]
+        if kind not in DRAFTER_KINDS:
+            raise ValueError(f"unknown drafter kind {kind!r}; choose from {', '.join(DRAFTER_KINDS)}")
+    elif not os.path.isdir(spec):
+        raise CheckpointError(f"drafter {spec!r} is neither random:<kind> nor a checkpoint directory")
+
+
 def build_drafter(spec: str, target_spec: str, target, target_params, recipe_path, prompt_ids, k):
-    """(config, params, vocab) from a checkpoint directory or `random:<kind>`."""
+    """(config, params, vocab) from a checkpoint directory or `random:<kind>` (checked by `check_drafter_args`)."""
     if spec.startswith("random:"):
         from configs.common import drafter_from_recipe, load_config
 
         kind = spec.split(":", 1)[1]
-        if kind not in DRAFTER_KINDS:
-            raise ValueError(f"unknown drafter kind {kind!r}; choose from {', '.join(DRAFTER_KINDS)}")
         recipe_path = recipe_path or DEFAULT_RECIPES.get(target_spec)
         if recipe_path is None:
             raise ValueError("a random drafter for this target needs --recipe configs/<name>.py")
@@ -204,12 +216,8 @@ def build_drafter(spec: str, target_spec: str, target, target_params, recipe_pat
         )
         params = init_from_target(init_drafter(config, jax.random.key(0)), config, target_params, vocab)
     else:
-        if not os.path.isdir(spec):
-            raise CheckpointError(f"drafter {spec!r} is neither random:<kind> nor a checkpoint directory")
         config, params, vocab = restore_drafter(spec, target)
     if k is not None:
-        if not 1 <= k <= 15:
-            raise ValueError(f"--k must be in 1..15, got {k}")
         config = config.replace(block_size=k + 1)
     return config, params, vocab
 
@@ -217,6 +225,7 @@ def build_drafter(spec: str, target_spec: str, target, target_params, recipe_pat
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        check_drafter_args(args.drafter, args.k)
         mesh = parallel.make_mesh(args.mesh)
         mesh = None if mesh.size == 1 else mesh
         config, params = load_target(args.target)

@@ -44,7 +44,7 @@ def test_forward_on_real_target_state(kind, smollm2, prefill):
         kw = dict(context_kv=empty_context(config, 1, 128), new_context=(hidden, positions))
     embedding = target_params["embed_tokens"]["embedding"]
     out = jax.jit(lambda p, kw: draft_block(p, config, embedding, block, anchor, **kw))(params, kw)
-    assert out.logits.shape == (1, 8, 32000) and bool(jnp.isfinite(out.logits).all())
+    assert out.logits.shape == (1, 8, config.vocab_size) and bool(jnp.isfinite(out.logits).all())
     assert float(out.logits.std()) > 0
 
 

@@ -271,27 +271,36 @@ def test_clear_errors(target_params, prompts):
         )
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["hspec", "dspark"])
-def test_greedy_lossless_on_smollm2(kind, smollm2, smollm2_tokenizer):
-    from configs.common import load_config
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2, smollm2_tokenizer):
+    """Three chat prompts and the target's own greedy outputs, alone (batch 1) and as a ragged batch."""
     from hspec_jax.decoding import chat_prompt_ids
 
     target, target_params = smollm2
-    recipe = load_config("configs/smollm2.py")
-    config = drafter_from_recipe(recipe, kind, target)
     texts = ["Name three planets.", "Write one sentence about cats.", "What is 7 times 6?"]
     prompts = [chat_prompt_ids(smollm2_tokenizer, t) for t in texts]
+    kw = dict(max_new_tokens=24, eos_ids=target.eos_token_ids, pad_id=target.pad_token_id)
+    cases = []
+    for batch in ([prompts[0]], prompts):
+        tokens, lengths = pad_batch(batch, target.pad_token_id)
+        ar = generate(target_params, target, jnp.asarray(tokens), jnp.asarray(lengths), **kw)
+        cases.append((jnp.asarray(tokens), jnp.asarray(lengths), ar))
+    return prompts, kw, cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", DRAFTER_KINDS)
+def test_greedy_lossless_on_smollm2(kind, smollm2, smollm2_reference):
+    from configs.common import load_config
+
+    target, target_params = smollm2
+    prompts, kw, cases = smollm2_reference
+    config = drafter_from_recipe(load_config("configs/smollm2.py"), kind, target)
     vocab = build_draft_vocab(
         np.concatenate(prompts), target.vocab_size, config.vocab_size, always=target.eos_token_ids
     )
     params = init_from_target(init_drafter(config, jax.random.key(0)), config, target_params, vocab)
-    for batch in ([prompts[0]], prompts):
-        tokens, lengths = pad_batch(batch, target.pad_token_id)
-        kw = dict(max_new_tokens=24, eos_ids=target.eos_token_ids, pad_id=target.pad_token_id)
-        ar = generate(target_params, target, jnp.asarray(tokens), jnp.asarray(lengths), **kw)
-        spec = speculative_generate(
-            target_params, target, params, config, vocab, jnp.asarray(tokens), jnp.asarray(lengths), **kw
-        )
+    for tokens, lengths, ar in cases:  # batch 1, then a ragged batch of 3
+        spec = speculative_generate(target_params, target, params, config, vocab, tokens, lengths, **kw)
         np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
         np.testing.assert_array_equal(np.asarray(spec.num_tokens), np.asarray(ar.num_tokens))

@@ -111,16 +111,20 @@ def _fused(hidden: tuple[jax.Array, ...]) -> jax.Array:
     return jnp.concatenate(hidden, axis=-1)
 
 
+# Both halves of the engine: configs and loop settings are static, the two caches are donated (updated in place).
+_engine_jit = functools.partial(
+    jax.jit,
+    static_argnames=("target", "drafter", "sampling", "max_new_tokens", "eos_ids", "pad_id"),
+    donate_argnames=("cache", "context"),
+)
+
+
 def _room(cache: KVCache, k: int) -> jax.Array:
     """[B] whether another block of k+1 rows fits after the committed rows."""
     return cache.lengths + k + 1 <= cache.capacity
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("target", "drafter", "sampling", "max_new_tokens", "eos_ids", "pad_id"),
-    donate_argnames=("cache", "context"),
-)
+@_engine_jit
 def spec_prefill(
     target_params: dict,
     target: TargetConfig,
@@ -164,11 +168,7 @@ def spec_prefill(
     return state, cache, context
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("target", "drafter", "sampling", "max_new_tokens", "eos_ids", "pad_id"),
-    donate_argnames=("cache", "context"),
-)
+@_engine_jit
 def spec_decode(
     target_params: dict,
     target: TargetConfig,

@@ -1,0 +1,172 @@
+"""What one draft-and-verify step costs on CPU, and the speedup any mean accepted length would give.
+
+    python -m benchmarks.spec_overhead [--new-tokens 96] [--repeats 3]
+
+On the embedded SmolLM2 target, same prompts, same run:
+(a) end to end: plain greedy decoding vs speculative decoding with randomly initialised drafters (tau ~ 1),
+    which shows the pure overhead of drafting and of verifying k+1 = 8 positions instead of 1;
+(b) the per-step breakdown, each jitted and timed alone: T_T(1) (one target forward of one token),
+    T_T(k+1) (verification) and T_D(k) per drafter, and the step as measured inside the engine's loop.
+With the paper's latency model, speedup(tau) = tau * T_AR / T_step, where T_AR and T_step are the
+in-loop per-token and per-step times. Writes `benchmarks/results/spec_overhead.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import PROMPTS, median_time, write_report
+from configs.common import drafter_from_recipe, load_config
+from eval.generate import compile_autoregressive, compile_speculative
+from hspec_jax.checkpoints import load_target, load_tokenizer
+from hspec_jax.decoding import SamplingConfig, chat_prompt_ids, pad_batch
+from hspec_jax.drafters import DFlashConfig, draft_block, empty_context, init_drafter, init_from_target, propose
+from hspec_jax.drafters.vocab import build_draft_vocab
+from hspec_jax.models import forward, init_cache
+
+KINDS = ("hspec", "dspark", "dflash")
+GREEDY = SamplingConfig()
+
+
+def isolated_step_times(target, target_params, drafters, context: int, repeats: int) -> dict[str, float]:
+    """T_T(1), T_T(k+1) and each drafter's T_D(k) (draft + token choice), each jitted alone."""
+    k = next(iter(drafters.values()))[0].num_drafts
+    cache = init_cache(target, 1, context + 64).replace(lengths=jnp.array([context], jnp.int32))
+    times = {}
+    for name, width in (("T_T(1)", 1), (f"T_T({k + 1})", k + 1)):
+        taps = next(iter(drafters.values()))[0].fusion_layer_ids if width > 1 else ()
+        fn = jax.jit(lambda p, c, w=width, taps=taps: forward(p, target, jnp.ones((1, w), jnp.int32), c, taps))
+        jax.block_until_ready(fn(target_params, cache))
+        times[name] = median_time(lambda fn=fn: jax.block_until_ready(fn(target_params, cache)), repeats)
+    embedding = target_params["embed_tokens"]["embedding"]
+    for kind, (config, params, vocab) in drafters.items():
+        block = jnp.concatenate([jnp.ones((1, 1), jnp.int32), jnp.full((1, k), config.mask_token_id, jnp.int32)], 1)
+        taps = jnp.ones((1, k + 1, len(config.fusion_layer_ids) * target.hidden_size), jnp.float32)
+        positions = jnp.array([context - k - 1], jnp.int32)[:, None] + jnp.arange(k + 1)
+        inject = isinstance(config, DFlashConfig) and config.kv_source == "inject"
+
+        def step(p, c, ctx, config=config, vocab=vocab, inject=inject, taps=taps, positions=positions, block=block):
+            kw = (
+                dict(context_kv=ctx, new_context=(taps, positions))
+                if inject
+                else dict(target_cache=c, seed_hidden=taps[:, -1])
+            )
+            out = draft_block(p, config, embedding, block, c.lengths, **kw)
+            return propose(out.logits[:, 1:], block[:, 0], vocab, GREEDY, jax.random.key(0), p.get("markov_head"))
+
+        ctx = empty_context(config, 1, context + 64) if inject else ()
+        fn = jax.jit(step)
+        jax.block_until_ready(fn(params, cache, ctx))
+        times[f"T_D({k}) {kind}"] = median_time(
+            lambda fn=fn, p=params, ctx=ctx: jax.block_until_ready(fn(p, cache, ctx)), repeats
+        )
+    return times
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/results/spec_overhead.md")
+    args = parser.parse_args(argv)
+    n = args.new_tokens
+
+    target, target_params = load_target("smollm2")
+    tokenizer = load_tokenizer("smollm2")
+    recipe = load_config("configs/smollm2.py")
+    prompts = [chat_prompt_ids(tokenizer, p) for p in PROMPTS]
+    vocab_tokens = np.concatenate(prompts)
+    drafters = {}
+    for kind in KINDS:
+        config = drafter_from_recipe(recipe, kind, target)
+        vocab = build_draft_vocab(vocab_tokens, target.vocab_size, config.vocab_size, always=target.eos_token_ids)
+        params = init_from_target(init_drafter(config, jax.random.key(0)), config, target_params, vocab)
+        drafters[kind] = (config, params, vocab)
+    k = drafters["hspec"][0].num_drafts
+
+    rows, per_token, per_step = [], [], {kind: [] for kind in KINDS}
+    for text, ids in zip(PROMPTS, prompts, strict=True):
+        tokens, lengths = pad_batch([ids])
+        kw = dict(max_new_tokens=n, sampling=GREEDY, eos_ids=(), pad_id=0, seed=0)
+        ar = compile_autoregressive(target_params, target, tokens, lengths, len(ids) + n, **kw)
+        ar_out, _, _ = ar()
+        t_ar = float(np.median([ar()[2] for _ in range(args.repeats)]))
+        per_token.append(t_ar / n)
+        cells = []
+        for kind, (config, params, vocab) in drafters.items():
+            spec = compile_speculative(
+                target_params, target, params, config, vocab, tokens, lengths, len(ids) + n + k + 1, **kw
+            )
+            runs = [spec() for _ in range(args.repeats)]
+            out, _, _, stats = runs[0]
+            assert np.array_equal(out, ar_out), f"{kind} changed the greedy output"
+            t_spec = float(np.median([r[2] for r in runs]))
+            steps = int(stats.steps[0])
+            per_step[kind].append(t_spec / steps)
+            cells.append(f"{n / t_spec:.1f} ({stats.tau():.2f}, {t_spec / t_ar:.2f}x)")
+        rows.append(f"| {text[:36]} | {n / t_ar:.1f} | " + " | ".join(cells) + " |")
+        print(rows[-1], flush=True)
+
+    t_ar = float(np.median(per_token))
+    iso = isolated_step_times(target, target_params, drafters, context=64, repeats=max(10, args.repeats))
+    step_rows = [f"| {name} | {t * 1e3:.2f} | {t / iso['T_T(1)']:.2f} |" for name, t in iso.items()]
+    loop_rows, model_rows = [], []
+    for kind in KINDS:
+        t_step = float(np.median(per_step[kind]))
+        loop_rows.append(f"| {kind} | {t_step * 1e3:.2f} | {t_step / t_ar:.2f}x |")
+        speedups = [tau * t_ar / t_step for tau in (1, 2, 3, 4, 5, 6, 8)]
+        needed = t_step / t_ar * 1.8
+        model_rows.append(f"| {kind} | " + " | ".join(f"{s:.2f}x" for s in speedups) + f" | {needed:.2f} |")
+    hspec_ratio = float(np.median(per_step["hspec"])) / t_ar
+    lines = [
+        "# Speculative decoding overhead on CPU (SmolLM2-135M-Instruct, fp32, k = 7)",
+        "",
+        f"Command: `python -m benchmarks.spec_overhead --new-tokens {n} --repeats {args.repeats}`  ",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, jax {jax.__version__}. Drafters are randomly "
+        "initialised (tau ~ 1), so this measures cost, not acceptance; every run's tokens equal plain greedy "
+        "decoding (checked).",
+        "",
+        "## (a) End to end, batch 1, greedy, tokens/s (tau, time relative to plain decoding)",
+        "",
+        "| prompt | plain | " + " | ".join(f"{kind} + verify" for kind in KINDS) + " |",
+        "|---|---|" + "---|" * len(KINDS),
+        *rows,
+        "",
+        "## (b) Per-step costs",
+        "",
+        "Each function jitted and timed alone (context 64):",
+        "",
+        "| piece | ms | / T_T(1) |",
+        "|---|---|---|",
+        *step_rows,
+        "",
+        f"Inside the engine's loop (median over prompts): plain decoding costs **{t_ar * 1e3:.2f} ms per token**; "
+        "one draft-and-verify step costs:",
+        "",
+        "| drafter | ms per step | vs one plain step |",
+        "|---|---|---|",
+        *loop_rows,
+        "",
+        "Latency model: speedup(tau) = tau x T_AR / T_step.",
+        "",
+        "| drafter | tau=1 | 2 | 3 | 4 | 5 | 6 | 8 | tau needed for 1.8x |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *model_rows,
+        "",
+        f"Goal (issue): a step at most 1.6x a plain step. Measured for H-Spec: **{hspec_ratio:.2f}x** "
+        f"({'met' if hspec_ratio <= 1.6 else 'not met'}). Verifying 8 positions is itself "
+        f"{iso[f'T_T({k + 1})'] / iso['T_T(1)']:.2f}x a single-token forward on this 2-core CPU: at 8 rows the "
+        "target's matmuls are no longer bound by reading the weights but by arithmetic, which leaves little "
+        "room for the drafter within 1.6x.",
+    ]
+    write_report(args.out, lines)
+
+
+if __name__ == "__main__":
+    main()
