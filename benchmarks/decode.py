@@ -174,8 +174,8 @@ def main(argv=None) -> None:
         f"**Mean speedup at batch 1: {np.mean(ratios):.2f}x** "
         f"({np.mean(ours_all):.1f} vs {np.mean(theirs_all):.1f} tokens/s).",
         "",
-        "Greedy outputs agree token for token until a near-tie in fp32 (transformers' cached `generate` and its "
-        "own uncached forward can disagree there); first divergences:",
+        "Greedy outputs agree token for token up to the first divergence below; at each one, transformers' own "
+        "uncached forward over the common prefix decides which of the two tokens is the argmax:",
         "",
         *(f"- {note}" for note in notes),
         "",
