@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from hspec_jax.checkpoints.hf import CheckpointError, staged_directory
-from hspec_jax.checkpoints.orbax_io import restore_pytree, save_pytree
+from hspec_jax.checkpoints.orbax_io import read_manifest, restore_pytree, save_pytree
 from hspec_jax.drafters.api import init_drafter
 from hspec_jax.drafters.config import DFlashConfig, DrafterConfig, HSpecConfig, check_target
 from hspec_jax.drafters.mamba2 import MambaConfig
@@ -64,20 +64,10 @@ def save_drafter(directory: str, params: dict, config: DrafterConfig, vocab: Dra
             json.dump({"format": FORMAT, "config": config_to_dict(config)}, f, indent=2)
 
 
-def is_drafter_checkpoint(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, MANIFEST))
-
-
 def restore_drafter(directory: str, target: TargetConfig | None = None) -> tuple[DrafterConfig, dict, DraftVocab]:
     """(config, params, vocab). With `target`, the config is rebuilt for that (already loaded) target."""
     directory = os.path.abspath(directory)
-    if not is_drafter_checkpoint(directory):
-        raise CheckpointError(f"{directory!r} is not an hspec-jax drafter checkpoint (no {MANIFEST})")
-    with open(os.path.join(directory, MANIFEST)) as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{directory!r}: unknown format {manifest.get('format')!r}")
-    config = config_from_dict(manifest["config"])
+    config = config_from_dict(read_manifest(directory, MANIFEST, FORMAT, "an hspec-jax drafter checkpoint")["config"])
     if target is not None:
         check_target(config, target)
         config = config.replace(target=target)

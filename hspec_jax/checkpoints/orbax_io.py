@@ -42,17 +42,23 @@ def save_target(directory: str, params: dict, config: TargetConfig, tokenizer=No
 def restore_target(directory: str, **config_overrides) -> tuple[TargetConfig, dict]:
     """(config, params) from a directory written by `save_target`."""
     directory = os.path.abspath(directory)
-    if not is_orbax_target(directory):
-        raise CheckpointError(f"{directory!r} is not a converted hspec-jax target (no {MANIFEST})")
-    with open(os.path.join(directory, MANIFEST)) as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{directory!r}: unknown format {manifest.get('format')!r}")
-    hf = manifest["config"]
+    hf = read_manifest(directory, MANIFEST, FORMAT, "a converted hspec-jax target")["config"]
     config = TargetConfig.from_hf(hf, **{"param_dtype": hf.get("torch_dtype"), **config_overrides})
     expected = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
     params = restore_pytree(os.path.join(directory, "params"), expected)
     return config, params
+
+
+def read_manifest(directory: str, filename: str, fmt: str, what: str) -> dict:
+    """The JSON manifest of a checkpoint directory, checked to be of format `fmt`."""
+    path = os.path.join(directory, filename)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{directory!r} is not {what} (no {filename})")
+    with open(path) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != fmt:
+        raise CheckpointError(f"{directory!r}: unknown format {manifest.get('format')!r}")
+    return manifest
 
 
 def save_pytree(path: str, tree) -> None:
