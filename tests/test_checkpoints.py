@@ -217,3 +217,16 @@ def test_export_refuses_non_empty_directory_and_leaves_nothing_half_written(tmp_
         export_hf_target(broken, config, str(tmp_path / "fresh"))
     assert not (tmp_path / "fresh").exists()
     assert [p for p in os.listdir(tmp_path) if p.startswith(".staging")] == []
+
+
+def test_outputs_get_the_usual_permissions(tmp_path):
+    import stat
+
+    model = tiny_hf_model("qwen3")
+    model.save_pretrained(tmp_path / "src")
+    config, params = load_hf_target(str(tmp_path / "src"))
+    export_hf_target(params, config, str(tmp_path / "out"))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(tmp_path / "out").st_mode) == 0o777 & ~umask
+    assert stat.S_IMODE(os.stat(tmp_path / "out" / "model.safetensors").st_mode) == 0o666 & ~umask

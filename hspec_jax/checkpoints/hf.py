@@ -249,6 +249,18 @@ def check_output_directory(directory: str) -> None:
         raise CheckpointError(f"output directory {os.path.abspath(directory)!r} exists and is not empty")
 
 
+def _default_permissions(root: str) -> None:
+    """mkdtemp (and safetensors) create owner-only entries; give the output the usual umask-based modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(root, 0o777 & ~umask)
+    for parent, dirs, files in os.walk(root):
+        for name in dirs:
+            os.chmod(os.path.join(parent, name), 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(parent, name), 0o666 & ~umask)
+
+
 @contextlib.contextmanager
 def staged_directory(directory: str) -> Iterator[str]:
     """Yield a staging directory that becomes `directory` only if the block succeeds (nothing half-written)."""
@@ -258,6 +270,7 @@ def staged_directory(directory: str) -> Iterator[str]:
     staging = tempfile.mkdtemp(prefix=".staging-", dir=os.path.dirname(directory))
     try:
         yield staging
+        _default_permissions(staging)
         if os.path.exists(directory):
             os.rmdir(directory)
         os.replace(staging, directory)
