@@ -141,3 +141,19 @@ def test_unknown_scan_is_rejected():
         MambaConfig(num_heads=4, scan="fft")
     with pytest.raises(ValueError, match="multiple of n_groups"):
         MambaConfig(num_heads=6, n_groups=4)
+
+
+@pytest.mark.parametrize("length", [1, 5, 8, 17, 64])
+def test_mixer_scan_forms_agree_with_random_params(length):
+    x = jax.random.normal(jax.random.key(length), (2, length, 48))
+    s0 = 0.5 * jax.random.normal(jax.random.key(length + 1), (2, 8, 16, 4))
+    base = MambaConfig(num_heads=8, head_dim=16, d_state=4, n_groups=4)
+    params = Mamba2Mixer(48, base).init(jax.random.key(0), x, s0)["params"]
+    params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.key(7), p.shape), params)
+    outs = {
+        scan: Mamba2Mixer(48, MambaConfig(8, 16, 4, 4, scan=scan)).apply({"params": params}, x, s0)
+        for scan in SCAN_IMPLS
+    }
+    for scan in SCAN_IMPLS[1:]:
+        for got, want in zip(outs[scan], outs["sequential"], strict=True):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
