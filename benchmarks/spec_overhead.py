@@ -26,7 +26,8 @@ from configs.common import drafter_from_recipe, load_config
 from eval.generate import compile_autoregressive, compile_speculative
 from hspec_jax.checkpoints import load_target, load_tokenizer
 from hspec_jax.decoding import SamplingConfig, chat_prompt_ids, pad_batch
-from hspec_jax.drafters import DFlashConfig, draft_block, empty_context, init_drafter, init_from_target, propose
+from hspec_jax.drafters import draft_block, init_drafter, init_from_target, propose
+from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.models import forward, init_cache
 
@@ -49,18 +50,23 @@ def isolated_step_times(target, target_params, drafters, context: int, repeats: 
         block = jnp.concatenate([jnp.ones((1, 1), jnp.int32), jnp.full((1, k), config.mask_token_id, jnp.int32)], 1)
         taps = jnp.ones((1, k + 1, len(config.fusion_layer_ids) * target.hidden_size), jnp.float32)
         positions = jnp.array([context - k - 1], jnp.int32)[:, None] + jnp.arange(k + 1)
-        inject = isinstance(config, DFlashConfig) and config.kv_source == "inject"
 
-        def step(p, c, ctx, config=config, vocab=vocab, inject=inject, taps=taps, positions=positions, block=block):
-            kw = (
-                dict(context_kv=ctx, new_context=(taps, positions))
-                if inject
-                else dict(target_cache=c, seed_hidden=taps[:, -1])
+        def step(p, c, ctx, config=config, vocab=vocab, taps=taps, positions=positions, block=block):
+            new_context = (taps, positions) if config.owns_kv_cache else None
+            out = draft_block(
+                p,
+                config,
+                embedding,
+                block,
+                c.lengths,
+                target_cache=c,
+                seed_hidden=taps[:, -1],
+                context_kv=ctx,
+                new_context=new_context,
             )
-            out = draft_block(p, config, embedding, block, c.lengths, **kw)
             return propose(out.logits[:, 1:], block[:, 0], vocab, GREEDY, jax.random.key(0), p.get("markov_head"))
 
-        ctx = empty_context(config, 1, context + 64) if inject else ()
+        ctx = drafter_context(config, 1, context + 64)
         fn = jax.jit(step)
         jax.block_until_ready(fn(params, cache, ctx))
         times[f"T_D({k}) {kind}"] = median_time(

@@ -30,8 +30,9 @@ from hspec_jax.checkpoints.drafter_io import restore_drafter
 from hspec_jax.decoding import SamplingConfig, chat_prompt_ids, pad_batch
 from hspec_jax.decoding.autoregressive import decode, prefill
 from hspec_jax.decoding.speculative import spec_decode, spec_prefill
-from hspec_jax.drafters import DRAFTER_KINDS, DFlashConfig, empty_context, init_drafter, init_from_target
+from hspec_jax.drafters import DRAFTER_KINDS, init_drafter, init_from_target
 from hspec_jax.drafters.config import check_target
+from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.models import check_capacity, init_cache
 
@@ -144,10 +145,8 @@ def compile_speculative(
     tokens, lengths = place.batch(tokens, lengths)
 
     def fresh_caches():
-        context = ()
-        if isinstance(drafter, DFlashConfig) and drafter.kv_source == "inject":
-            context = empty_context(drafter, tokens.shape[0], capacity)
-        return place.kv((init_cache(target, tokens.shape[0], capacity), context))
+        batch = tokens.shape[0]
+        return place.kv((init_cache(target, batch, capacity), drafter_context(drafter, batch, capacity)))
 
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
     cache, context = fresh_caches()

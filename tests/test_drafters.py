@@ -20,9 +20,8 @@ from hspec_jax.drafters import (
     init_from_target,
     propose,
 )
-from hspec_jax.drafters.api import block_inputs, seed_hidden_at
+from hspec_jax.drafters.api import block_inputs, seed_hidden_at, target_kv
 from hspec_jax.drafters.heads import markov_bias, markov_embed
-from hspec_jax.drafters.hspec import target_kv_for
 from hspec_jax.drafters.params import trainable_mask
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.models import commit, forward, init_cache, init_params
@@ -96,12 +95,10 @@ def training_loss(config, setup, params, anchors):
     module = drafter_module(config)
     if config.kind.startswith("hspec"):
         out = module.apply(
-            {"params": params}, embeds, anchors, seed_hidden_at(hidden, anchors), target_kv_for(config, cache), prev
+            {"params": params}, embeds, anchors, seed_hidden_at(hidden, anchors), target_kv(config, cache), prev
         )
     elif config.kind == "dflash_target_kv":
-        out = module.apply(
-            {"params": params}, embeds, anchors, tuple(cache.layer(i) for i in config.target_kv_layer_ids), prev
-        )
+        out = module.apply({"params": params}, embeds, anchors, target_kv(config, cache), prev)
     else:
         positions = jnp.broadcast_to(jnp.arange(hidden.shape[1]), hidden.shape[:2])
         out = module.apply(
@@ -135,7 +132,7 @@ def test_multi_block_training_path_equals_single_blocks(setup):
     block, prev, _ = block_inputs(tokens, anchors, config.block_size, config.mask_token_id)
     embeds = target_params["embed_tokens"]["embedding"][block]
     multi = jax.jit(drafter_module(config).apply)(
-        {"params": params}, embeds, anchors, seed_hidden_at(hidden, anchors), target_kv_for(config, cache), prev
+        {"params": params}, embeds, anchors, seed_hidden_at(hidden, anchors), target_kv(config, cache), prev
     )
     single_block = jax.jit(
         lambda p, b, a, c, h, prev: draft_block(

@@ -7,7 +7,7 @@ import pytest
 
 from configs.common import drafter_from_recipe, load_config
 from hspec_jax.drafters import DRAFTER_KINDS, draft_block, drafter_module, empty_context, init_drafter, init_from_target
-from hspec_jax.drafters.api import block_inputs, seed_hidden_at
+from hspec_jax.drafters.api import block_inputs, seed_hidden_at, target_kv
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.models import commit, forward, init_cache
 
@@ -63,7 +63,7 @@ def test_gradients_on_real_target_state(kind, smollm2, prefill):
     def loss(p):
         module = drafter_module(config)
         if kind == "hspec":
-            kv = tuple(cache.layer(i) for i in config.attn_kv_layer_ids)
+            kv = target_kv(config, cache)
             out = module.apply({"params": p}, embeds, anchors, seed_hidden_at(hidden, anchors), kv, prev)
         else:
             out = module.apply({"params": p}, embeds, anchors, empty_context(config, 1, 128), prev, (hidden, positions))

@@ -29,8 +29,8 @@ from hspec_jax.decoding.acceptance import greedy_accept, speculative_accept
 from hspec_jax.decoding.autoregressive import is_eos
 from hspec_jax.decoding.sampling import SamplingConfig, probabilities, sample
 from hspec_jax.drafters.api import draft_block
-from hspec_jax.drafters.config import DFlashConfig, DrafterConfig, HSpecConfig, check_target
-from hspec_jax.drafters.dflash import empty_context
+from hspec_jax.drafters.config import DrafterConfig, check_target
+from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.drafters.heads import propose
 from hspec_jax.drafters.vocab import DraftVocab
 from hspec_jax.models.config import TargetConfig
@@ -94,14 +94,17 @@ def _draft_next(
     """Draft k tokens after `anchor` (at position cache.lengths) -> (tokens, probs, context)."""
     k = drafter.num_drafts
     block = jnp.concatenate([anchor[:, None], jnp.full((anchor.shape[0], k), drafter.mask_token_id, jnp.int32)], 1)
-    kw = {}
-    if isinstance(drafter, HSpecConfig):
-        kw = dict(target_cache=cache, seed_hidden=seed)
-    elif drafter.kv_source == "target":
-        kw = dict(target_cache=cache)
-    else:
-        kw = dict(context_kv=context, new_context=new_context)
-    out = draft_block(drafter_params, drafter, embedding_matrix(target_params), block, cache.lengths, **kw)
+    out = draft_block(
+        drafter_params,
+        drafter,
+        embedding_matrix(target_params),
+        block,
+        cache.lengths,
+        target_cache=cache,
+        seed_hidden=seed,
+        context_kv=context,
+        new_context=new_context,
+    )
     proposal = propose(out.logits[:, 1:], anchor, vocab, sampling, rng, drafter_params.get("markov_head"))
     probs = proposal.probs if not sampling.greedy else jnp.zeros((anchor.shape[0], k, 1), jnp.float32)
     return proposal.tokens, probs, (out.context_kv if out.context_kv is not None else context)
@@ -154,7 +157,7 @@ def spec_prefill(
     taps = _fused(out.hidden)  # [B, T, F*D]
     seed = jnp.take_along_axis(taps, (lengths - 1)[:, None, None], axis=1)[:, 0]
     new_context = None
-    if isinstance(drafter, DFlashConfig) and drafter.kv_source == "inject":
+    if drafter.owns_kv_cache:
         new_context = (taps, jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width)))
     draft, probs, context = _draft_next(
         target_params, drafter_params, drafter, vocab, sampling, cache, token, seed, context, new_context, draft_rng
@@ -228,7 +231,7 @@ def spec_decode(
         )
         taps = _fused(out.hidden)  # [B, k+1, F*D] at positions start .. start+k
         seed = jnp.take_along_axis(taps, n[:, None, None], axis=1)[:, 0]  # the last committed row
-        new_context = (taps, start[:, None] + slots) if context else None
+        new_context = (taps, start[:, None] + slots) if drafter.owns_kv_cache else None
         draft, probs, context = _draft_next(
             target_params, drafter_params, drafter, vocab, sampling, cache, nxt, seed, context, new_context, draft_rng
         )
@@ -264,9 +267,7 @@ def speculative_generate(
     check_capacity(jax.device_get(lengths), k + 1, capacity)
     rng = jax.random.key(0) if rng is None else rng
     cache = init_cache(target, prompts.shape[0], capacity)
-    context = ()
-    if isinstance(drafter, DFlashConfig) and drafter.kv_source == "inject":
-        context = empty_context(drafter, prompts.shape[0], capacity)
+    context = drafter_context(drafter, prompts.shape[0], capacity)
     if mesh is not None:
         target_params = parallel.shard_params(target_params, mesh, target.head_dim)
         drafter_params = parallel.shard_params(drafter_params, mesh, target.head_dim)

@@ -14,9 +14,7 @@ import jax.numpy as jnp
 
 from hspec_jax.drafters.config import DFlashConfig, DrafterConfig, HSpecConfig
 from hspec_jax.drafters.dflash import DFlash, empty_context
-from hspec_jax.drafters.dflash import target_kv_for as dflash_target_kv
 from hspec_jax.drafters.hspec import HSpec
-from hspec_jax.drafters.hspec import target_kv_for as hspec_target_kv
 from hspec_jax.drafters.output import DraftOutput
 from hspec_jax.drafters.vocab import DraftVocab, draft_rows
 from hspec_jax.models.decoder import lm_head_matrix
@@ -68,6 +66,11 @@ def mirrored_target_layers(config: DrafterConfig) -> dict[str, int]:
     return {}
 
 
+def target_kv(config: DrafterConfig, cache: KVCache) -> tuple[tuple[jax.Array, jax.Array], ...]:
+    """The (k, v) buffers, straight from the target's cache, of the layers the drafter's attention reads."""
+    return tuple(cache.layer(i) for i in mirrored_target_layers(config).values())
+
+
 COPIED_FROM_TARGET = ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm")
 
 
@@ -107,17 +110,18 @@ def draft_block(
     """One block per sequence. block_tokens `[B, T]` ([anchor, MASK...]); anchors `[B]` (slot-0 positions);
     embedding `[V, D]` (the target's, frozen). H-Spec needs `seed_hidden [B, F*D]` (taps at anchor - 1) and
     `target_cache`; DFlash needs its own `context_kv` (+ optional `new_context` rows to inject) or, with
-    kv_source="target", `target_cache`. Returns a `DraftOutput` with the block axis A removed ([B, T, ...])."""
+    kv_source="target", `target_cache`. Inputs a kind does not use are ignored, so a caller may pass them all.
+    Returns a `DraftOutput` with the block axis A removed ([B, T, ...])."""
     embeds = embedding[block_tokens][:, None]
     anchors = anchors[:, None]
     prev = None if prev_tokens is None else prev_tokens[:, None]
     module = drafter_module(config)
     if isinstance(config, HSpecConfig):
         taps = None if seed_hidden is None else seed_hidden[:, None]
-        kv = hspec_target_kv(config, target_cache) if config.use_target_kv else None
+        kv = target_kv(config, target_cache) if config.use_target_kv else None
         out = module.apply({"params": params}, embeds, anchors, taps, kv, prev)
     elif config.kv_source == "target":
-        out = module.apply({"params": params}, embeds, anchors, dflash_target_kv(config, target_cache), prev)
+        out = module.apply({"params": params}, embeds, anchors, target_kv(config, target_cache), prev)
     else:
         out = module.apply({"params": params}, embeds, anchors, context_kv, prev, new_context)
     squeeze = lambda x: None if x is None else x[:, 0]

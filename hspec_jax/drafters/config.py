@@ -43,6 +43,11 @@ class DrafterCommon:
     dtype: Any = None  # None = the target's compute dtype
     param_dtype: Any = None
 
+    def _check_target_layers(self, layers: tuple[int, ...]) -> None:
+        for layer in layers:
+            if not 0 <= layer < self.target.num_layers:
+                raise ValueError(f"attention KV layer id {layer} out of range 0..{self.target.num_layers - 1}")
+
     def _check_common(self):
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {self.block_size}")
@@ -106,13 +111,13 @@ class HSpecConfig(DrafterCommon):
                 f"block_pattern has {self.block_pattern.count('attn')} attention sub-layers but "
                 f"attn_kv_layer_ids maps {len(self.attn_kv_layer_ids)}"
             )
-        for layer in self.attn_kv_layer_ids:
-            if not 0 <= layer < self.target.num_layers:
-                raise ValueError(f"attention KV layer id {layer} out of range 0..{self.target.num_layers - 1}")
+        self._check_target_layers(self.attn_kv_layer_ids)
         if "mamba" in self.block_pattern and self.mamba is None:
             raise ValueError("block_pattern has mamba sub-layers: set `mamba`")
         if self.seed_mode not in SEED_MODES:
             raise ValueError(f"unknown seed_mode {self.seed_mode!r}; choose from {SEED_MODES}")
+
+    owns_kv_cache = False  # reads the target's cache in place
 
     @property
     def kind(self) -> str:
@@ -161,11 +166,14 @@ class DFlashConfig(DrafterCommon):
                     f"kv_source='target' maps {len(self.target_kv_layer_ids)} target layers onto "
                     f"{self.num_layers} drafter layers"
                 )
-            for layer in self.target_kv_layer_ids:
-                if not 0 <= layer < self.target.num_layers:
-                    raise ValueError(f"attention KV layer id {layer} out of range 0..{self.target.num_layers - 1}")
+            self._check_target_layers(self.target_kv_layer_ids)
             if self.qk_norm not in (None, self.target.qk_norm):
                 raise ValueError("reading the target's KV cache requires the target's own q/k norm setting")
+
+    @property
+    def owns_kv_cache(self) -> bool:
+        """Whether the drafter keeps a KV cache of its own (DFlash/DSpark inject into one)."""
+        return self.kv_source == "inject"
 
     @property
     def kind(self) -> str:

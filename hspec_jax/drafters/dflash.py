@@ -15,7 +15,6 @@ mapped target layer's KV cache in place, like H-Spec's attention.
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from hspec_jax.drafters.config import DFlashConfig
@@ -79,13 +78,13 @@ class DFlash(nn.Module):
         return out._replace(context_kv=tuple(updated) if new_context is not None else None)
 
 
-def target_kv_for(config: DFlashConfig, cache) -> tuple[tuple[jax.Array, jax.Array], ...]:
-    """kv_source="target": the mapped target layers' (k, v), read in place."""
-    return tuple(cache.layer(i) for i in config.target_kv_layer_ids)
-
-
 def empty_context(config: DFlashConfig, batch: int, capacity: int, dtype=None) -> tuple:
     """A zeroed drafter-side cache: per layer (k, v) `[B, capacity, K, H]`."""
     shape = (batch, capacity, config.target.num_kv_heads, config.target.head_dim)
     dtype = dtype or config.compute_dtype
     return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers))
+
+
+def drafter_context(config, batch: int, capacity: int) -> tuple:
+    """The drafter-side cache a drafter needs: `empty_context` for DFlash/DSpark, () for drafters without one."""
+    return empty_context(config, batch, capacity) if config.owns_kv_cache else ()

@@ -17,7 +17,6 @@ Ablations on the same module: `use_state_injection=False` ("KV only": S0 = 0, hi
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from hspec_jax.drafters.config import HSpecConfig
@@ -70,8 +69,3 @@ class HSpec(nn.Module):
         markov = MarkovHead(target.vocab_size, cfg.vocab_size, cfg.markov_rank, pdtype, name="markov_head")
         confidence = ConfidenceHead(pdtype, name="confidence_head")
         return apply_heads(cfg, markov, confidence, hidden, logits, prev_tokens)
-
-
-def target_kv_for(config: HSpecConfig, cache) -> tuple[tuple[jax.Array, jax.Array], ...]:
-    """The (k, v) buffers of the target layers H-Spec's attention sub-layers read, straight from the cache."""
-    return tuple(cache.layer(i) for i in config.attn_kv_layer_ids)
