@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import median_time, write_report
-from configs.common import drafter_from_recipe, load_config, target_config
 from hspec_jax.decoding import SamplingConfig
 from hspec_jax.drafters import drafter_module, empty_context, full_vocab, init_drafter, propose
 from hspec_jax.drafters.mamba2 import SCAN_IMPLS, ssd
+from hspec_jax.recipes import drafter_from_recipe, load_config, target_config
 
 KINDS = ("hspec", "dflash", "dspark")
 

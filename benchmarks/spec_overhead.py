@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import PROMPTS, median_time, write_report
-from configs.common import drafter_from_recipe, load_config
 from eval.generate import compile_autoregressive, compile_speculative
 from hspec_jax.checkpoints import load_target, load_tokenizer
 from hspec_jax.decoding import SamplingConfig, chat_prompt_ids, pad_batch
@@ -30,6 +29,7 @@ from hspec_jax.drafters import draft_block, init_drafter, init_from_target, prop
 from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.models import forward, init_cache
+from hspec_jax.recipes import drafter_from_recipe, load_config
 
 KINDS = ("hspec", "dspark", "dflash")
 GREEDY = SamplingConfig()

@@ -1,6 +1,6 @@
 """Llama-3.1-8B-Instruct (32 layers, llama3 RoPE scaling): the paper's recipe. Values of its config.json."""
 
-from configs.common import recipe
+from hspec_jax.recipes import recipe
 
 HF_CONFIG = {
     "architectures": ["LlamaForCausalLM"],

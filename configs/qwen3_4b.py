@@ -1,6 +1,6 @@
 """Qwen3-4B (36 layers, tied embeddings): the paper's recipe. Values of the model's config.json."""
 
-from configs.common import recipe
+from hspec_jax.recipes import recipe
 
 HF_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],

@@ -1,6 +1,6 @@
 """Qwen3-8B (36 layers): the paper's recipe. Values of the model's config.json."""
 
-from configs.common import recipe
+from hspec_jax.recipes import recipe
 
 HF_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],

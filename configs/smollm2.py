@@ -7,7 +7,7 @@ they would otherwise dominate the drafter: draft vocabulary 16384 of 49152 token
 21-25% of its targets' vocabularies; 33% here) and Markov rank 64 (256 at hidden 4096; 576/4096 * 256 = 36).
 """
 
-from configs.common import recipe
+from hspec_jax.recipes import recipe
 
 HF_CONFIG = {
     "architectures": ["LlamaForCausalLM"],

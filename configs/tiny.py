@@ -1,6 +1,6 @@
 """A tiny random Qwen3-style target and drafters, for tests and quick CPU runs (no weights needed)."""
 
-from configs.common import recipe
+from hspec_jax.recipes import recipe
 
 HF_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],

@@ -201,7 +201,7 @@ def check_drafter_args(spec: str | None, k: int | None) -> None:
 def build_drafter(spec: str, target_spec: str, target, target_params, recipe_path, prompt_ids, k):
     """(config, params, vocab) from a checkpoint directory or `random:<kind>` (checked by `check_drafter_args`)."""
     if spec.startswith("random:"):
-        from configs.common import drafter_from_recipe, load_config
+        from hspec_jax.recipes import drafter_from_recipe, load_config
 
         kind = spec.split(":", 1)[1]
         recipe_path = recipe_path or DEFAULT_RECIPES.get(target_spec)

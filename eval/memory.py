@@ -56,7 +56,7 @@ def load_hf_config(spec: str) -> tuple[str, dict]:
     recipe_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", f"{spec}.py")
     if not os.path.isfile(recipe_path):
         raise ValueError(f"--target {spec!r} is neither a config.json file nor a recipe in configs/")
-    from configs.common import load_config
+    from hspec_jax.recipes import load_config
 
     recipe = load_config(recipe_path)
     return recipe.target.name, recipe.target.hf_config.to_dict()

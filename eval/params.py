@@ -13,9 +13,9 @@ import sys
 
 import jax
 
-from configs.common import drafter_from_recipe, load_config, target_config
 from hspec_jax.drafters import init_drafter
 from hspec_jax.drafters.params import count_by_component
+from hspec_jax.recipes import drafter_from_recipe, load_config, target_config
 
 KINDS = ("hspec", "dspark", "dflash")
 

@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs.common import drafter_from_recipe, load_config, target_config
 from hspec_jax.decoding import generate, pad_batch
 from hspec_jax.decoding.speculative import speculative_generate
 from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.models import init_params
 from hspec_jax.parallel import make_mesh, shard_params
+from hspec_jax.recipes import drafter_from_recipe, load_config, target_config
 
 assert jax.device_count() == 8, jax.devices()
 recipe = load_config("configs/tiny.py")

@@ -6,11 +6,11 @@ import jax
 import numpy as np
 import pytest
 
-from configs.common import drafter_from_recipe, load_config, target_config
 from hspec_jax.checkpoints import CheckpointError
 from hspec_jax.checkpoints.drafter_io import restore_drafter, save_drafter
 from hspec_jax.drafters import DRAFTER_KINDS, init_drafter
 from hspec_jax.drafters.vocab import build_draft_vocab
+from hspec_jax.recipes import drafter_from_recipe, load_config, target_config
 
 RECIPE = load_config("configs/tiny.py")
 TARGET = target_config(RECIPE)

@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs.common import drafter_from_recipe, target_config
 from hspec_jax.decoding import SamplingConfig
 from hspec_jax.drafters import (
     DRAFTER_KINDS,
@@ -27,6 +26,7 @@ from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.models import commit, forward, init_cache, init_params
 from hspec_jax.models.decoder import AttentionProjections
 from hspec_jax.models.layers import rms_norm
+from hspec_jax.recipes import drafter_from_recipe, target_config
 
 RECIPE = importlib.import_module("configs.tiny").get_config()
 TARGET = target_config(RECIPE)

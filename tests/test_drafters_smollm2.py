@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs.common import drafter_from_recipe, load_config
 from hspec_jax.drafters import DRAFTER_KINDS, draft_block, drafter_module, empty_context, init_drafter, init_from_target
 from hspec_jax.drafters.api import block_inputs, seed_hidden_at, target_kv
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.models import commit, forward, init_cache
+from hspec_jax.recipes import drafter_from_recipe, load_config
 
 pytestmark = pytest.mark.slow
 RECIPE = load_config("configs/smollm2.py")

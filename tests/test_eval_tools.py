@@ -54,9 +54,9 @@ def test_memory_formula_matches_the_real_buffers():
     """The bytes per token the report prints are the bytes the caches we allocate actually hold."""
     import jax
 
-    from configs.common import drafter_from_recipe, load_config, target_config
     from hspec_jax.drafters import empty_context
     from hspec_jax.models import init_cache
+    from hspec_jax.recipes import drafter_from_recipe, load_config, target_config
 
     recipe = load_config("configs/qwen3_8b.py")
     target = target_config(recipe, dtype="bfloat16")

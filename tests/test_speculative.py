@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from configs.common import drafter_from_recipe, target_config
 from hspec_jax.decoding import SamplingConfig, generate, pad_batch, probabilities
 from hspec_jax.decoding.acceptance import greedy_accept, speculative_accept
 from hspec_jax.decoding.speculative import speculative_generate
@@ -17,6 +16,7 @@ from hspec_jax.drafters import DRAFTER_KINDS, full_vocab, init_drafter, init_fro
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.models import forward, init_cache, init_params
 from hspec_jax.models.layers import rms_norm
+from hspec_jax.recipes import drafter_from_recipe, target_config
 
 RECIPE = importlib.import_module("configs.tiny").get_config()
 TARGET = target_config(RECIPE)
@@ -291,7 +291,7 @@ def smollm2_reference(smollm2, smollm2_tokenizer):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", DRAFTER_KINDS)
 def test_greedy_lossless_on_smollm2(kind, smollm2, smollm2_reference):
-    from configs.common import load_config
+    from hspec_jax.recipes import load_config
 
     target, target_params = smollm2
     prompts, kw, cases = smollm2_reference

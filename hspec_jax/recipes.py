@@ -1,4 +1,4 @@
-"""Shared pieces of the recipe files, and the conversion from a recipe to model configs.
+"""Recipes: the `ml_collections` configs of `configs/*.py` and their conversion to model configs.
 
 A recipe `ConfigDict` has:
   target.name       the checkpoint it describes (documentation; nothing is downloaded)
