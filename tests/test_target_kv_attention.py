@@ -21,8 +21,9 @@ def random_inputs(seed, batch=3, blocks=1, t=8, heads=6, kv_heads=2, head_dim=16
     return q, k_blk, v_blk, k_ctx, v_ctx
 
 
-def brute_force(q, k_blk, v_blk, k_ctx, v_ctx, anchors, window, causal):
+def brute_force(q, k_blk, v_blk, k_ctx, v_ctx, anchors, window, causal, doc_starts=None):
     """One query at a time, straight from the definition, in fp64."""
+    doc_starts = np.zeros(anchors.shape, int) if doc_starts is None else np.asarray(doc_starts)
     q, k_blk, v_blk, k_ctx, v_ctx, anchors = (
         np.asarray(x, np.float64) for x in (q, k_blk, v_blk, k_ctx, v_ctx, anchors)
     )
@@ -32,7 +33,8 @@ def brute_force(q, k_blk, v_blk, k_ctx, v_ctx, anchors, window, causal):
     for b, a, s, n in itertools.product(range(batch), range(blocks), range(t), range(heads)):
         kv = n // group
         anchor = int(anchors[b, a])
-        rows = [j for j in range(k_ctx.shape[1]) if j < anchor and (window is None or j >= anchor - window)]
+        start = int(doc_starts[b, a])
+        rows = [j for j in range(k_ctx.shape[1]) if start <= j < anchor and (window is None or j >= anchor - window)]
         slots = [u for u in range(t) if not causal or u <= s]
         keys = np.concatenate([k_ctx[b, rows, kv], k_blk[b, a, slots, kv]])
         values = np.concatenate([v_ctx[b, rows, kv], v_blk[b, a, slots, kv]])
@@ -48,6 +50,19 @@ def test_reference_matches_definition(window, causal):
     anchors = jnp.array([[0, 5], [12, 9], [3, 1]])
     got = reference(*inputs, anchors, window=window, causal=causal)
     np.testing.assert_allclose(np.asarray(got), brute_force(*inputs, anchors, window, causal), atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_document_starts_hide_earlier_documents(window):
+    """Packed training rows: a block sees only its own document's rows before the anchor (and the window)."""
+    inputs = random_inputs(1, blocks=3, t=4, rows=16)
+    anchors = jnp.array([[3, 9, 15], [12, 6, 2], [16, 16, 8]])
+    starts = jnp.array([[0, 5, 9], [10, 0, 2], [0, 11, 8]])
+    want = brute_force(*inputs, anchors, window, True, starts)
+    got = reference(*inputs, anchors, starts, window=window)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+    kernel = pallas_attention(*inputs, anchors, starts, window=window, interpret=True)
+    np.testing.assert_allclose(np.asarray(kernel), want, atol=2e-5)
 
 
 CASES = [

@@ -5,8 +5,10 @@ A drafter block of T tokens (anchor + masks) sits at positions a .. a+T-1, where
 is also the number of context rows before it. Its queries attend to
 
   (a) context keys/values `[B, S, K, H]` (the target's own post-RoPE KV cache for H-Spec, read in place;
-      the drafter's injected cache for DFlash): row j is visible iff j < a and, with a sliding window W,
-      j >= a - W (the window is anchored at the block, so every slot sees the same context rows), and
+      the drafter's injected cache for DFlash): row j is visible iff doc_start <= j < a and, with a sliding
+      window W, j >= a - W (the window is anchored at the block, so every slot sees the same context rows).
+      `doc_starts [B, A]` is the first row of the anchor's document: 0 at inference; in training, where
+      documents are packed into one row, it keeps a block from seeing an earlier document; and
   (b) the block's own keys/values `[.., T, K, H]`: causal (slot u visible to slot t iff u <= t) or, for
       DFlash, bidirectional.
 
@@ -37,18 +39,22 @@ IMPLS = ("auto", "pallas", "reference")
 MAX_CONTEXT_CHUNK = 128  # context rows per inner-loop step of the kernel
 
 
-def context_mask(anchors: jax.Array, num_rows: int, window: int | None) -> jax.Array:
-    """`[B, A, S]`: context row j is visible to the block anchored at a iff j < a (and j >= a - window)."""
+def context_mask(anchors: jax.Array, num_rows: int, window: int | None, doc_starts: jax.Array | None = None):
+    """`[B, A, S]`: context row j is visible to the block anchored at a iff doc_start <= j < a (and j >= a - window)."""
     rows = jnp.arange(num_rows)
     visible = rows < anchors[..., None]
     if window is not None:
         visible &= rows >= anchors[..., None] - window
+    if doc_starts is not None:
+        visible &= rows >= doc_starts[..., None]
     return visible
 
 
-def reference(q, k_blk, v_blk, k_ctx, v_ctx, anchors, *, window: int | None = None, causal: bool = True):
+def reference(
+    q, k_blk, v_blk, k_ctx, v_ctx, anchors, doc_starts=None, *, window: int | None = None, causal: bool = True
+):
     """Masked dense attention. q `[B, A, T, N, H]`; k_blk, v_blk `[B, A, T, K, H]`; k_ctx, v_ctx `[B, S, K, H]`
-    or None (no context); anchors `[B, A]` int -> `[B, A, T, N, H]` in q.dtype."""
+    or None (no context); anchors, doc_starts (None = 0) `[B, A]` int -> `[B, A, T, N, H]` in q.dtype."""
     b, a, t, n, h = q.shape
     kv_heads = k_blk.shape[3]
     qg = q.reshape(b, a, t, kv_heads, n // kv_heads, h)
@@ -61,7 +67,7 @@ def reference(q, k_blk, v_blk, k_ctx, v_ctx, anchors, *, window: int | None = No
         out = jnp.einsum("bakgtu,baukh->batkgh", probs.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
         return out.reshape(b, a, t, n, h).astype(q.dtype)
     ctx = jnp.einsum("batkgh,bskh->bakgts", qg, k_ctx, preferred_element_type=jnp.float32) * scale
-    visible = context_mask(anchors, k_ctx.shape[1], window)  # [B, A, S]
+    visible = context_mask(anchors, k_ctx.shape[1], window, doc_starts)  # [B, A, S]
     ctx = jnp.where(visible[:, :, None, None, None, :], ctx, MASK_VALUE)
     probs = jax.nn.softmax(jnp.concatenate([ctx, blk], axis=-1), axis=-1)
     p_ctx, p_blk = probs[..., : k_ctx.shape[1]], probs[..., k_ctx.shape[1] :]
@@ -80,7 +86,7 @@ def _online_update(carry, scores, values):
     return m_new, alpha * denom + p.sum(axis=-1), acc
 
 
-def _kernel(anchor_ref, q_ref, kb_ref, vb_ref, kc_ref, vc_ref, o_ref, *, chunk, window, causal, has_ctx):
+def _kernel(anchor_ref, start_ref, q_ref, kb_ref, vb_ref, kc_ref, vc_ref, o_ref, *, chunk, window, causal, has_ctx):
     """One (sequence, block, KV head): q `[T, G, H]`, block K/V `[T, H]`, context K/V `[S, H]` -> o `[T, G, H]`."""
     t, g, h = q_ref.shape
     q = q_ref[...].astype(jnp.float32).reshape(t * g, h) * (h**-0.5)  # row r = slot r // G
@@ -91,7 +97,7 @@ def _kernel(anchor_ref, q_ref, kb_ref, vb_ref, kc_ref, vc_ref, o_ref, *, chunk, 
     )
     if has_ctx:
         anchor = anchor_ref[0, 0]
-        low = jnp.maximum(anchor - window, 0) if window is not None else 0
+        low = jnp.maximum(anchor - window, start_ref[0, 0]) if window is not None else start_ref[0, 0]
 
         def context_step(i, carry):
             start = pl.multiple_of(i * chunk, chunk)
@@ -111,8 +117,12 @@ def _kernel(anchor_ref, q_ref, kb_ref, vb_ref, kc_ref, vc_ref, o_ref, *, chunk, 
     o_ref[...] = (acc / denom[:, None]).reshape(t, g, h).astype(o_ref.dtype)
 
 
-def pallas_attention(q, k_blk, v_blk, k_ctx, v_ctx, anchors, *, window=None, causal=True, interpret=False):
+def pallas_attention(
+    q, k_blk, v_blk, k_ctx, v_ctx, anchors, doc_starts=None, *, window=None, causal=True, interpret=False
+):
     """The kernel, same contract as `reference`. Grid: (sequence, block, KV head)."""
+    if doc_starts is None:
+        doc_starts = jnp.zeros_like(anchors)
     b, a, t, n, h = q.shape
     kv_heads = k_blk.shape[3]
     g = n // kv_heads
@@ -129,6 +139,7 @@ def pallas_attention(q, k_blk, v_blk, k_ctx, v_ctx, anchors, *, window=None, cau
         grid=(b, a, kv_heads),
         in_specs=[
             pl.BlockSpec((1, 1), lambda i, j, k: (i, j)),
+            pl.BlockSpec((1, 1), lambda i, j, k: (i, j)),
             pl.BlockSpec((None, None, t, g, h), lambda i, j, k: (i, j, 0, k, 0)),
             block_spec,
             block_spec,
@@ -139,16 +150,28 @@ def pallas_attention(q, k_blk, v_blk, k_ctx, v_ctx, anchors, *, window=None, cau
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret=interpret,
         name="target_kv_attention",
-    )(anchors.astype(jnp.int32), q, k_blk, v_blk, k_ctx, v_ctx)
+    )(anchors.astype(jnp.int32), doc_starts.astype(jnp.int32), q, k_blk, v_blk, k_ctx, v_ctx)
 
 
 def target_kv_attention(
-    q, k_blk, v_blk, k_ctx, v_ctx, anchors, *, window: int | None = None, causal: bool = True, impl: str = "auto"
+    q,
+    k_blk,
+    v_blk,
+    k_ctx,
+    v_ctx,
+    anchors,
+    doc_starts=None,
+    *,
+    window: int | None = None,
+    causal: bool = True,
+    impl: str = "auto",
 ):
     """Entry point: see the module docstring for the contract and which `impl` runs where."""
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLS}")
     on_cpu = jax.default_backend() == "cpu"
     if impl == "reference" or (impl == "auto" and on_cpu):
-        return reference(q, k_blk, v_blk, k_ctx, v_ctx, anchors, window=window, causal=causal)
-    return pallas_attention(q, k_blk, v_blk, k_ctx, v_ctx, anchors, window=window, causal=causal, interpret=on_cpu)
+        return reference(q, k_blk, v_blk, k_ctx, v_ctx, anchors, doc_starts, window=window, causal=causal)
+    return pallas_attention(
+        q, k_blk, v_blk, k_ctx, v_ctx, anchors, doc_starts, window=window, causal=causal, interpret=on_cpu
+    )
