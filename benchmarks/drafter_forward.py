@@ -24,35 +24,39 @@ import numpy as np
 
 from benchmarks.common import median_time, write_report
 from hspec_jax.decoding import SamplingConfig
-from hspec_jax.drafters import drafter_module, empty_context, full_vocab, init_drafter, propose
+from hspec_jax.drafters import draft_block, full_vocab, init_drafter, propose
+from hspec_jax.drafters.api import mirrored_target_layers
+from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.drafters.mamba2 import SCAN_IMPLS, ssd
+from hspec_jax.models.kv_cache import KVCache
 from hspec_jax.recipes import drafter_from_recipe, load_config, target_config
 
 KINDS = ("hspec", "dflash", "dspark")
 
 
 def drafter_step_fn(config):
-    """A jitted step `(params, embedding, context, lengths, seed_or_rows, block, rng) -> (tokens, context)`."""
-    module = drafter_module(config)
+    """A jitted step `(params, embedding, target_cache, context, lengths, seed, new_context, block, rng)
+    -> (tokens, context)`."""
     vocab = full_vocab(config.vocab_size)  # id maps only; pruning is in the lm_head size
     greedy = SamplingConfig()
 
-    def step(params, embedding, context, lengths, extra, block, rng):
-        embeds = embedding[block][:, None]
-        anchors = lengths[:, None]
-        if config.kind == "hspec":
-            out = module.apply({"params": params}, embeds, anchors, extra[:, None], context)
-        else:
-            taps = extra  # [B, k+1, F*D]: rows verified last step, at positions lengths - (k+1) ..
-            positions = lengths[:, None] - taps.shape[1] + jnp.arange(taps.shape[1])
-            out = module.apply({"params": params}, embeds, anchors, context, None, (taps, positions))
-            context = out.context_kv
-        markov = params.get("markov_head")
-        proposal = propose(out.logits[:, 0, 1:], block[:, 0], vocab, greedy, rng, markov)
-        return proposal.tokens, context
+    def step(params, embedding, target_cache, context, lengths, seed, new_context, block, rng):
+        out = draft_block(
+            params,
+            config,
+            embedding,
+            block,
+            lengths,
+            target_cache=target_cache,
+            seed_hidden=seed,
+            context_kv=context,
+            new_context=new_context,
+        )
+        proposal = propose(out.logits[:, 1:], block[:, 0], vocab, greedy, rng, params.get("markov_head"))
+        return proposal.tokens, out.context_kv if config.owns_kv_cache else context
 
     # DFlash's cache is donated and updated in place; H-Spec only reads the target's cache.
-    return jax.jit(step, donate_argnums=() if config.kind == "hspec" else (2,))
+    return jax.jit(step, donate_argnums=(3,) if config.owns_kv_cache else ())
 
 
 def time_step(recipe, kind, batch, context_len, repeats):
@@ -71,19 +75,26 @@ def time_step(recipe, kind, batch, context_len, repeats):
         (jnp.asarray(rng.standard_normal(kv_shape, np.float32)), jnp.asarray(rng.standard_normal(kv_shape, np.float32)))
         for _ in range(n)
     )
-    if kind == "hspec":
-        context = fresh_kv(len(config.attn_kv_layer_ids))  # stands for the target's own cache layers
-        extra = jnp.ones((batch, fused), jnp.float32)
-    else:
-        context = jax.tree.map(lambda x: x + 1.0, empty_context(config, batch, context_len + 64))
-        extra = jnp.ones((batch, config.block_size, fused), jnp.float32)
+    seed = jnp.ones((batch, fused), jnp.float32)
+    target_cache, new_context = None, None
+    mapped = list(mirrored_target_layers(config).values())
+    if mapped:  # only the layers the drafter reads hold data; the others alias the first (never read)
+        kv = dict(zip(mapped, fresh_kv(len(mapped)), strict=True))
+        layers = [kv.get(i, kv[mapped[0]]) for i in range(target.num_layers)]
+        target_cache = KVCache(tuple(k for k, _ in layers), tuple(v for _, v in layers), lengths)
+    if config.owns_kv_cache:
+        taps = jnp.ones((batch, config.block_size, fused), jnp.float32)  # the rows verified last step
+        positions = lengths[:, None] - config.block_size + jnp.arange(config.block_size)
+        new_context = (taps, positions, positions[:, 0])
+    context = jax.tree.map(lambda x: x + 1.0, drafter_context(config, batch, context_len + 64))
     step = drafter_step_fn(config)
     state = {"context": context}
 
     def once():
-        tokens, ctx = step(params, embedding, state["context"], lengths, extra, block, jax.random.key(1))
-        if kind != "hspec":
-            state["context"] = ctx  # DFlash's cache is donated and updated in place
+        tokens, ctx = step(
+            params, embedding, target_cache, state["context"], lengths, seed, new_context, block, jax.random.key(1)
+        )
+        state["context"] = ctx  # DFlash's cache is donated and updated in place
         tokens.block_until_ready()
 
     once()

@@ -52,7 +52,7 @@ def isolated_step_times(target, target_params, drafters, context: int, repeats: 
         positions = jnp.array([context - k - 1], jnp.int32)[:, None] + jnp.arange(k + 1)
 
         def step(p, c, ctx, config=config, vocab=vocab, taps=taps, positions=positions, block=block):
-            new_context = (taps, positions) if config.owns_kv_cache else None
+            new_context = (taps, positions, positions[:, 0])
             out = draft_block(
                 p,
                 config,

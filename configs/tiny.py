@@ -1,4 +1,5 @@
-"""A tiny random Qwen3-style target and drafters, for tests and quick CPU runs (no weights needed)."""
+"""A tiny random Qwen3-style target and drafters, for tests and quick CPU runs (no weights needed; training
+reads text through a character tokenizer)."""
 
 from hspec_jax.recipes import recipe
 
@@ -36,4 +37,15 @@ def get_config():
     c.drafter.mamba.n_groups = 2
     c.drafter.markov_rank = 16
     c.drafter.sliding_window = 32
+    c.target.path = "tiny"  # the random tiny target with a character tokenizer (train/targets.py)
+    c.data.seq_len = 256
+    c.data.max_anchors = 32
+    c.data.held_out_prompts = 4
+    c.train.num_steps = 50
+    c.train.batch_size = 4
+    c.train.anchors_per_chunk = 16
+    c.train.learning_rate = 3e-3
+    c.train.checkpoint_every = 25
+    c.train.eval_every = 25
+    c.train.eval_max_new_tokens = 16
     return c

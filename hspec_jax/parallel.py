@@ -1,15 +1,18 @@
 """Device meshes and sharding rules: the distributed engine is plain JAX SPMD (GSPMD).
 
-A mesh has two axes, `data` (batch) and `model` (tensor parallelism). Parameters are sharded by
+A mesh has three axes: `data` (batch), `fsdp` (batch, and in training the drafter's parameters and
+optimiser state: fully sharded data parallelism) and `model` (tensor parallelism). Parameters are sharded by
 logical axis, found from their path in the param dict:
 
-    vocab  -> model   embedding / lm_head rows, Markov head vocabulary axes
-    heads  -> model   q/k/v output features and o_proj input features (whole heads per shard)
-    mlp    -> model   the SwiGLU intermediate width
-    batch  -> data    prompts, KV caches, per-sequence lengths
+    vocab  -> model         embedding / lm_head rows, Markov head vocabulary axes
+    heads  -> model         q/k/v output features and o_proj input features (whole heads per shard)
+    mlp    -> model         the SwiGLU intermediate width
+    batch  -> data x fsdp   prompts, packed training rows, KV caches, per-sequence lengths
 
-Everything else (norms, Mamba mixers, fusion projections) is replicated. A dimension that the mesh axis
-does not divide (e.g. 3 KV heads on model=2) is replicated rather than split unevenly. The jitted
+Everything else (norms, Mamba mixers, fusion projections) is replicated, except that with `fsdp=True`
+(`param_shardings`, the trained drafter) each parameter's largest remaining dimension that the fsdp axis
+divides is split over it. A dimension that the mesh axis does not divide (e.g. 3 KV heads on model=2) is
+replicated rather than split unevenly. The jitted
 decoding loops need no changes: inputs placed with these shardings make XLA partition the whole loop,
 inserting the collectives. On one device every spec is trivially replicated.
 
@@ -28,8 +31,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-AXES = ("data", "model")
-LOGICAL_TO_MESH = {"batch": "data", "vocab": "model", "heads": "model", "mlp": "model"}
+AXES = ("data", "fsdp", "model")
+LOGICAL_TO_MESH = {"batch": ("data", "fsdp"), "vocab": ("model",), "heads": ("model",), "mlp": ("model",)}
 # (path regex, logical axis of each dimension). First match wins; no match = replicated.
 PARAM_RULES = (
     (r"embed_tokens/embedding$", ("vocab", None)),
@@ -56,7 +59,7 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
 
 
 def make_mesh(spec: str = "data=1,model=1", devices=None) -> Mesh:
-    """A ('data', 'model') mesh over the first data*model devices."""
+    """A ('data', 'fsdp', 'model') mesh over the first data*fsdp*model devices."""
     sizes = parse_mesh_spec(spec)
     devices = list(devices if devices is not None else jax.devices())
     needed = math.prod(sizes.values())
@@ -82,23 +85,37 @@ def spec_for(mesh: Mesh, shape, axes, granule: dict[str, int] | None = None) -> 
     `granule` units, e.g. whole heads), replicating it otherwise."""
     out = []
     for size, logical in zip(shape, axes, strict=True):
-        mesh_axis = LOGICAL_TO_MESH.get(logical) if logical else None
+        mesh_axes = tuple(a for a in LOGICAL_TO_MESH.get(logical, ()) if mesh.shape.get(a, 1) > 1)
         unit = (granule or {}).get(logical, 1)
-        parts = mesh.shape[mesh_axis] if mesh_axis else 1
-        out.append(mesh_axis if mesh_axis and parts > 1 and size % (parts * unit) == 0 else None)
+        parts = math.prod(mesh.shape[a] for a in mesh_axes)
+        fits = mesh_axes and size % (parts * unit) == 0
+        out.append((mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes) if fits else None)
     return PartitionSpec(*out)
 
 
-def param_shardings(params, mesh: Mesh, head_dim: int):
+def with_fsdp(mesh: Mesh, shape, spec: PartitionSpec) -> PartitionSpec:
+    """`spec` with the largest still-unsharded dimension that the `fsdp` axis divides split over it."""
+    parts = mesh.shape.get("fsdp", 1)
+    free = [i for i, (size, axis) in enumerate(zip(shape, spec, strict=True)) if axis is None and size % parts == 0]
+    if parts == 1 or not free:
+        return spec
+    dim = max(free, key=lambda i: shape[i])
+    return PartitionSpec(*("fsdp" if i == dim else axis for i, axis in enumerate(spec)))
+
+
+def param_shardings(params, mesh: Mesh, head_dim: int, fsdp: bool = False):
     """NamedSharding for every parameter (see the module docstring for the rules)."""
     granule = {"heads": head_dim}
-    return jax.tree_util.tree_map_with_path(
-        lambda kp, x: NamedSharding(mesh, spec_for(mesh, x.shape, logical_axes(_path(kp), x.ndim), granule)), params
-    )
+
+    def sharding(key_path, x):
+        spec = spec_for(mesh, x.shape, logical_axes(_path(key_path), x.ndim), granule)
+        return NamedSharding(mesh, with_fsdp(mesh, x.shape, spec) if fsdp else spec)
+
+    return jax.tree_util.tree_map_with_path(sharding, params)
 
 
-def shard_params(params, mesh: Mesh, head_dim: int):
-    return jax.device_put(params, param_shardings(params, mesh, head_dim))
+def shard_params(params, mesh: Mesh, head_dim: int, fsdp: bool = False):
+    return jax.device_put(params, param_shardings(params, mesh, head_dim, fsdp))
 
 
 def batch_sharding(mesh: Mesh, shape) -> NamedSharding:

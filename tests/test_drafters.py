@@ -12,14 +12,16 @@ from hspec_jax.decoding import SamplingConfig
 from hspec_jax.drafters import (
     DRAFTER_KINDS,
     DFlashConfig,
+    DraftInputs,
     draft_block,
-    drafter_module,
+    draft_blocks,
     empty_context,
     init_drafter,
     init_from_target,
     propose,
 )
-from hspec_jax.drafters.api import block_inputs, seed_hidden_at, target_kv
+from hspec_jax.drafters.api import block_inputs, seed_hidden_at
+from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.drafters.heads import markov_bias, markov_embed
 from hspec_jax.drafters.params import trainable_mask
 from hspec_jax.drafters.vocab import build_draft_vocab
@@ -60,14 +62,13 @@ def run(config, params, setup, *, cache=None, hidden=None, anchor_tokens=(5, 9))
     block = jnp.concatenate(
         [jnp.array(anchor_tokens)[:, None], jnp.full((2, config.num_drafts), config.mask_token_id)], 1
     )
-    kw = {}
-    if config.kind.startswith("hspec"):
-        kw = dict(target_cache=cache, seed_hidden=seed_hidden_at(hidden, anchors[:, None])[:, 0])
-    elif config.kind == "dflash_target_kv":
-        kw = dict(target_cache=cache)
-    else:
-        positions = jnp.broadcast_to(jnp.arange(hidden.shape[1]), hidden.shape[:2])
-        kw = dict(context_kv=empty_context(config, 2, 32), new_context=(hidden, positions))
+    positions = jnp.broadcast_to(jnp.arange(hidden.shape[1]), hidden.shape[:2])
+    kw = dict(  # every input; each kind reads what it uses
+        target_cache=cache,
+        seed_hidden=seed_hidden_at(hidden, anchors[:, None])[:, 0],
+        context_kv=drafter_context(config, 2, 32),
+        new_context=(hidden, positions, positions[:, 0]),
+    )
     fn = jax.jit(lambda p, b, a, kw: draft_block(p, config, target_params["embed_tokens"]["embedding"], b, a, **kw))
     return fn(params, block, anchors, kw)
 
@@ -87,23 +88,27 @@ def test_every_kind_drafts_a_block(kind, setup):
         assert out.context_kv is None
 
 
+def many_block_inputs(config, setup, anchors, block, prev):
+    """`DraftInputs` for several blocks per sequence over the prefilled context (every kind's inputs)."""
+    target_params, _, _, cache, hidden = setup
+    positions = jnp.broadcast_to(jnp.arange(hidden.shape[1]), hidden.shape[:2])
+    return DraftInputs(
+        embedding=target_params["embed_tokens"]["embedding"],
+        block_tokens=block,
+        anchors=anchors,
+        seed_hidden=seed_hidden_at(hidden, anchors),
+        target_cache=cache,
+        context_kv=drafter_context(config, 2, hidden.shape[1]),
+        new_context=(hidden, positions, positions[:, 0]),
+        prev_tokens=prev,
+    )
+
+
 def training_loss(config, setup, params, anchors):
     """Teacher-forced cross-entropy over many blocks per sequence (the training path: reference attention)."""
-    target_params, vocab, tokens, cache, hidden = setup
+    vocab, tokens = setup[1], setup[2]
     block, prev, labels = block_inputs(tokens, anchors, config.block_size, config.mask_token_id)
-    embeds = target_params["embed_tokens"]["embedding"][block]
-    module = drafter_module(config)
-    if config.kind.startswith("hspec"):
-        out = module.apply(
-            {"params": params}, embeds, anchors, seed_hidden_at(hidden, anchors), target_kv(config, cache), prev
-        )
-    elif config.kind == "dflash_target_kv":
-        out = module.apply({"params": params}, embeds, anchors, target_kv(config, cache), prev)
-    else:
-        positions = jnp.broadcast_to(jnp.arange(hidden.shape[1]), hidden.shape[:2])
-        out = module.apply(
-            {"params": params}, embeds, anchors, empty_context(config, 2, hidden.shape[1]), prev, (hidden, positions)
-        )
+    out = draft_blocks(params, config, many_block_inputs(config, setup, anchors, block, prev))
     draft_labels = jnp.clip(jnp.cumsum(vocab.t2d) - 1, 0)[labels]
     logp = jax.nn.log_softmax(out.logits)
     loss = -jnp.take_along_axis(logp, draft_labels[..., None], -1)[..., 1:, 0].mean()
@@ -130,9 +135,8 @@ def test_multi_block_training_path_equals_single_blocks(setup):
     target_params, _, tokens, cache, hidden = setup
     anchors = jnp.array([[3, 7], [5, 7]])
     block, prev, _ = block_inputs(tokens, anchors, config.block_size, config.mask_token_id)
-    embeds = target_params["embed_tokens"]["embedding"][block]
-    multi = jax.jit(drafter_module(config).apply)(
-        {"params": params}, embeds, anchors, seed_hidden_at(hidden, anchors), target_kv(config, cache), prev
+    multi = jax.jit(lambda p, x: draft_blocks(p, config, x))(
+        params, many_block_inputs(config, setup, anchors, block, prev)
     )
     single_block = jax.jit(
         lambda p, b, a, c, h, prev: draft_block(
@@ -240,7 +244,7 @@ def test_dflash_injection_then_draft_equals_one_call(setup):
         block,
         cache.lengths,
         context_kv=empty_context(config, 2, 32),
-        new_context=(hidden, positions),
+        new_context=(hidden, positions, positions[:, 0]),
     )
     # inject in two pieces (a prompt, then newly accepted rows), then draft with nothing new
     first = draft_block(
@@ -250,7 +254,7 @@ def test_dflash_injection_then_draft_equals_one_call(setup):
         block,
         jnp.array([4, 4]),
         context_kv=empty_context(config, 2, 32),
-        new_context=(hidden[:, :4], positions[:, :4]),
+        new_context=(hidden[:, :4], positions[:, :4], positions[:, 0]),
     )
     second = draft_block(
         params,
@@ -259,7 +263,7 @@ def test_dflash_injection_then_draft_equals_one_call(setup):
         block,
         jnp.array([4, 4]),
         context_kv=first.context_kv,
-        new_context=(hidden[:, 4:], positions[:, 4:]),
+        new_context=(hidden[:, 4:], positions[:, 4:], positions[:, 4]),
     )
     two = draft_block(params, config, embedding, block, cache.lengths, context_kv=second.context_kv)
     np.testing.assert_allclose(np.asarray(two.logits), np.asarray(one.logits), atol=1e-5)
@@ -283,21 +287,13 @@ def test_markov_proposal_is_sequential(setup):
 
 def test_confidence_head_does_not_train_the_backbone(setup):
     config, params = make_drafter("dspark", setup)
-    target_params, _, tokens, _, hidden = setup
+    tokens = setup[2]
     anchors = jnp.array([[2, 5], [1, 4]])
     block, prev, _ = block_inputs(tokens, anchors, config.block_size, config.mask_token_id)
-    positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
+    inputs = many_block_inputs(config, setup, anchors, block, prev)
 
     def confidence_only(p):
-        out = drafter_module(config).apply(
-            {"params": p},
-            target_params["embed_tokens"]["embedding"][block],
-            anchors,
-            empty_context(config, 2, 16),
-            prev,
-            (hidden, positions),
-        )
-        return out.confidence.sum()
+        return draft_blocks(p, config, inputs).confidence.sum()
 
     grads = jax.grad(confidence_only)(params)
     assert float(jnp.abs(grads["confidence_head"]["proj"]["kernel"]).sum()) > 0
@@ -342,3 +338,5 @@ def test_config_errors():
         drafter_config("eagle", TARGET, fusion_layer_ids=(1,))
     with pytest.raises(ValueError, match="out of range"):
         DFlashConfig(target=TARGET, fusion_layer_ids=(1, 99))
+    with pytest.raises(ValueError, match=r"unknown drafter config field.*'mamba_heads'"):
+        drafter_config("dspark", TARGET, fusion_layer_ids=(1,), mamba_heads=8)

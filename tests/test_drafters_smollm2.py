@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hspec_jax.drafters import DRAFTER_KINDS, draft_block, drafter_module, empty_context, init_drafter, init_from_target
-from hspec_jax.drafters.api import block_inputs, seed_hidden_at, target_kv
+from hspec_jax.drafters import DRAFTER_KINDS, DraftInputs, draft_block, draft_blocks, init_drafter, init_from_target
+from hspec_jax.drafters.api import block_inputs, seed_hidden_at
+from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.models import commit, forward, init_cache
 from hspec_jax.recipes import drafter_from_recipe, load_config
@@ -35,13 +36,13 @@ def test_forward_on_real_target_state(kind, smollm2, prefill):
     params = init_from_target(init_drafter(config, jax.random.key(0)), config, target_params, vocab)
     anchor = cache.lengths
     block = jnp.concatenate([tokens[:, -1:], jnp.full((1, config.num_drafts), config.mask_token_id)], axis=1)
-    if kind.startswith("hspec"):
-        kw = dict(target_cache=cache, seed_hidden=hidden[:, -1])
-    elif kind == "dflash_target_kv":
-        kw = dict(target_cache=cache)
-    else:
-        positions = jnp.arange(hidden.shape[1])[None]
-        kw = dict(context_kv=empty_context(config, 1, 128), new_context=(hidden, positions))
+    positions = jnp.arange(hidden.shape[1])[None]
+    kw = dict(  # every input; each kind reads what it uses
+        target_cache=cache,
+        seed_hidden=hidden[:, -1],
+        context_kv=drafter_context(config, 1, 128),
+        new_context=(hidden, positions, positions[:, 0]),
+    )
     embedding = target_params["embed_tokens"]["embedding"]
     out = jax.jit(lambda p, kw: draft_block(p, config, embedding, block, anchor, **kw))(params, kw)
     assert out.logits.shape == (1, 8, config.vocab_size) and bool(jnp.isfinite(out.logits).all())
@@ -56,17 +57,21 @@ def test_gradients_on_real_target_state(kind, smollm2, prefill):
     params = init_from_target(init_drafter(config, jax.random.key(0)), config, target_params, vocab)
     anchors = jnp.array([[5, 17, 30]])
     block, prev, labels = block_inputs(tokens, anchors, config.block_size, config.mask_token_id)
-    embeds = target_params["embed_tokens"]["embedding"][block]
     draft_labels = jnp.clip(jnp.cumsum(vocab.t2d) - 1, 0)[labels]
     positions = jnp.arange(hidden.shape[1])[None]
+    inputs = DraftInputs(
+        embedding=target_params["embed_tokens"]["embedding"],
+        block_tokens=block,
+        anchors=anchors,
+        seed_hidden=seed_hidden_at(hidden, anchors),
+        target_cache=cache,
+        context_kv=drafter_context(config, 1, 128),
+        new_context=(hidden, positions, positions[:, 0]),
+        prev_tokens=prev,
+    )
 
     def loss(p):
-        module = drafter_module(config)
-        if kind == "hspec":
-            kv = target_kv(config, cache)
-            out = module.apply({"params": p}, embeds, anchors, seed_hidden_at(hidden, anchors), kv, prev)
-        else:
-            out = module.apply({"params": p}, embeds, anchors, empty_context(config, 1, 128), prev, (hidden, positions))
+        out = draft_blocks(p, config, inputs)
         logp = jax.nn.log_softmax(out.logits)
         return -jnp.take_along_axis(logp, draft_labels[..., None], -1)[:, :, 1:].mean()
 

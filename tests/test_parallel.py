@@ -10,20 +10,20 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from hspec_jax.parallel import logical_axes, make_mesh, parse_mesh_spec, spec_for
+from hspec_jax.parallel import logical_axes, make_mesh, parse_mesh_spec, spec_for, with_fsdp
 
 MESHES = ("data=8", "model=2", "data=4,model=2", "data=2,model=4")
 
 
 def test_mesh_spec_parsing_and_errors():
-    assert parse_mesh_spec("data=2,model=4") == {"data": 2, "model": 4}
-    assert parse_mesh_spec("model=2") == {"data": 1, "model": 2}
+    assert parse_mesh_spec("data=2,model=4") == {"data": 2, "fsdp": 1, "model": 4}
+    assert parse_mesh_spec("model=2") == {"data": 1, "fsdp": 1, "model": 2}
     for bad in ("pipe=2", "data=0", "data=two"):
         with pytest.raises(ValueError, match="bad mesh spec"):
             parse_mesh_spec(bad)
     with pytest.raises(ValueError, match="needs 16 devices"):
         make_mesh("data=4,model=4")
-    assert make_mesh("data=1,model=1").shape == {"data": 1, "model": 1}
+    assert make_mesh("data=1,model=1").shape == {"data": 1, "fsdp": 1, "model": 1}
 
 
 def test_rules_shard_whole_heads_and_replicate_the_rest():
@@ -36,6 +36,16 @@ def test_rules_shard_whole_heads_and_replicate_the_rest():
     assert spec_for(mesh, (64,), logical_axes("layers_0/input_layernorm/scale", 1)) == P(None)
     assert spec_for(mesh, (6, 10), ("batch", None)) == P("data", None)
     assert spec_for(mesh, (3, 10), ("batch", None)) == P(None, None)  # 3 sequences do not split over 2
+
+
+def test_fsdp_shards_the_batch_and_the_largest_free_dimension():
+    mesh = types.SimpleNamespace(shape={"data": 2, "fsdp": 2, "model": 2})
+    assert spec_for(mesh, (8, 10), ("batch", None)) == P(("data", "fsdp"), None)
+    assert spec_for(mesh, (2, 10), ("batch", None)) == P(None, None)  # 2 rows do not split over 4
+    q = spec_for(mesh, (64, 128), logical_axes("layers_3/self_attn/q_proj/kernel", 2), {"heads": 16})
+    assert with_fsdp(mesh, (64, 128), q) == P("fsdp", "model")
+    assert with_fsdp(mesh, (576, 1536), P(None, None)) == P(None, "fsdp")
+    assert with_fsdp(mesh, (7,), P(None)) == P(None)  # nothing divisible: replicated
 
 
 @pytest.mark.slow

@@ -20,14 +20,13 @@ import numpy as np
 from hspec_jax.checkpoints.hf import CheckpointError, staged_directory
 from hspec_jax.checkpoints.orbax_io import read_manifest, restore_pytree, save_pytree
 from hspec_jax.drafters.api import init_drafter
-from hspec_jax.drafters.config import DFlashConfig, DrafterConfig, HSpecConfig, check_target
+from hspec_jax.drafters.config import FAMILIES, DrafterConfig, check_target
 from hspec_jax.drafters.mamba2 import MambaConfig
 from hspec_jax.drafters.vocab import DraftVocab, vocab_from_ids
 from hspec_jax.models.config import TargetConfig
 
 MANIFEST = "hspec_drafter.json"
 FORMAT = "hspec-jax-drafter"
-_FAMILIES = {"hspec": HSpecConfig, "dflash": DFlashConfig}
 
 
 def config_to_dict(config: DrafterConfig) -> dict:
@@ -37,12 +36,11 @@ def config_to_dict(config: DrafterConfig) -> dict:
         fields["mamba"] = dataclasses.asdict(fields["mamba"])
     for key in ("dtype", "param_dtype"):
         fields[key] = None if fields[key] is None else str(np.dtype(fields[key]))
-    family = "hspec" if isinstance(config, HSpecConfig) else "dflash"
-    return {"family": family, "fields": fields}
+    return {"family": config.family, "fields": fields}
 
 
 def config_from_dict(data: dict, target: TargetConfig | None = None) -> DrafterConfig:
-    family = _FAMILIES.get(data.get("family"))
+    family = FAMILIES.get(data.get("family"))
     if family is None:
         raise CheckpointError(f"unknown drafter family {data.get('family')!r}")
     fields = dict(data["fields"])

@@ -158,7 +158,8 @@ def spec_prefill(
     seed = jnp.take_along_axis(taps, (lengths - 1)[:, None, None], axis=1)[:, 0]
     new_context = None
     if drafter.owns_kv_cache:
-        new_context = (taps, jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width)))
+        rows = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+        new_context = (taps, rows, rows[:, 0])
     draft, probs, context = _draft_next(
         target_params, drafter_params, drafter, vocab, sampling, cache, token, seed, context, new_context, draft_rng
     )
@@ -231,7 +232,7 @@ def spec_decode(
         )
         taps = _fused(out.hidden)  # [B, k+1, F*D] at positions start .. start+k
         seed = jnp.take_along_axis(taps, n[:, None, None], axis=1)[:, 0]  # the last committed row
-        new_context = (taps, start[:, None] + slots) if drafter.owns_kv_cache else None
+        new_context = (taps, start[:, None] + slots, start) if drafter.owns_kv_cache else None
         draft, probs, context = _draft_next(
             target_params, drafter_params, drafter, vocab, sampling, cache, nxt, seed, context, new_context, draft_rng
         )

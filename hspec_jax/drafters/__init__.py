@@ -1,6 +1,6 @@
 """Drafters: H-Spec (Mamba-2 + target-KV attention hybrid), DFlash, DSpark, and the paper's variants."""
 
-from hspec_jax.drafters.api import draft_block, drafter_module, init_drafter, init_from_target
+from hspec_jax.drafters.api import draft_block, draft_blocks, drafter_module, init_drafter, init_from_target
 from hspec_jax.drafters.config import (
     DRAFTER_KINDS,
     PAPER_BLOCK_PATTERN,
@@ -12,6 +12,7 @@ from hspec_jax.drafters.config import (
 from hspec_jax.drafters.dflash import DFlash, empty_context
 from hspec_jax.drafters.heads import Proposal, propose
 from hspec_jax.drafters.hspec import HSpec
+from hspec_jax.drafters.inputs import DraftInputs
 from hspec_jax.drafters.mamba2 import MambaConfig
 from hspec_jax.drafters.output import DraftOutput
 from hspec_jax.drafters.vocab import DraftVocab, build_draft_vocab, full_vocab
@@ -21,6 +22,7 @@ __all__ = [
     "PAPER_BLOCK_PATTERN",
     "DFlash",
     "DFlashConfig",
+    "DraftInputs",
     "DraftOutput",
     "DraftVocab",
     "DrafterConfig",
@@ -30,6 +32,7 @@ __all__ = [
     "Proposal",
     "build_draft_vocab",
     "draft_block",
+    "draft_blocks",
     "drafter_config",
     "drafter_module",
     "empty_context",

@@ -3,6 +3,7 @@
     params = init_drafter(config, rng)                           # random init, plain nested dict
     params = init_from_target(params, config, target_params, vocab)   # copy the target layers it mirrors
     out = draft_block(params, config, embedding, block_tokens, anchors, target_cache=cache, seed_hidden=h)
+    out = draft_blocks(params, config, DraftInputs(...))     # A blocks per sequence: training and inference
 
 `jax.eval_shape(lambda: init_drafter(config, rng))` gives every parameter's shape without allocating.
 """
@@ -13,12 +14,13 @@ import jax
 import jax.numpy as jnp
 
 from hspec_jax.drafters.config import DFlashConfig, DrafterConfig, HSpecConfig
-from hspec_jax.drafters.dflash import DFlash, empty_context
+from hspec_jax.drafters.dflash import DFlash, drafter_context
 from hspec_jax.drafters.hspec import HSpec
+from hspec_jax.drafters.inputs import DraftInputs
 from hspec_jax.drafters.output import DraftOutput
 from hspec_jax.drafters.vocab import DraftVocab, draft_rows
 from hspec_jax.models.decoder import lm_head_matrix
-from hspec_jax.models.kv_cache import KVCache
+from hspec_jax.models.kv_cache import KVCache, init_cache
 
 _INIT_CONTEXT_ROWS = 8
 
@@ -31,29 +33,31 @@ def drafter_module(config: DrafterConfig):
     raise TypeError(f"not a drafter config: {type(config).__name__}")
 
 
-def _dummy_kv(config: DrafterConfig, count: int, rows: int):
-    shape = (1, rows, config.target.num_kv_heads, config.target.head_dim)
-    return tuple((jnp.zeros(shape, config.compute_dtype),) * 2 for _ in range(count))
+def _example_inputs(config: DrafterConfig) -> DraftInputs:
+    """One block over a few context rows, with every input any family reads (for `init`)."""
+    target = config.target
+    rows, t = _INIT_CONTEXT_ROWS, config.block_size
+    dtype = config.compute_dtype
+    taps = jnp.zeros((1, 2, len(config.fusion_layer_ids) * target.hidden_size), dtype)
+    return DraftInputs(
+        embedding=jnp.zeros((target.vocab_size, target.hidden_size), dtype),
+        block_tokens=jnp.zeros((1, 1, t), jnp.int32),
+        anchors=jnp.full((1, 1), rows // 2, jnp.int32),
+        seed_hidden=taps[:, :1],
+        target_cache=init_cache(target, 1, rows, dtype),
+        context_kv=drafter_context(config, 1, rows),
+        new_context=(taps, jnp.arange(2, dtype=jnp.int32)[None], jnp.zeros((1,), jnp.int32))
+        if config.owns_kv_cache
+        else None,
+        prev_tokens=jnp.zeros((1, 1, t), jnp.int32),
+    )
 
 
 def init_drafter(config: DrafterConfig, rng: jax.Array) -> dict:
     """Randomly initialised drafter parameters (the frozen pieces get real values from `init_from_target`)."""
-    t = config.block_size
-    embeds = jnp.zeros((1, 1, t, config.target.hidden_size), config.compute_dtype)
-    anchors = jnp.full((1, 1), _INIT_CONTEXT_ROWS // 2, jnp.int32)
-    prev = jnp.zeros((1, 1, t), jnp.int32)
-    taps = jnp.zeros((1, 1, len(config.fusion_layer_ids) * config.target.hidden_size), config.compute_dtype)
-    module = drafter_module(config)
-    if isinstance(config, HSpecConfig):
-        kv = _dummy_kv(config, len(config.attn_kv_layer_ids), _INIT_CONTEXT_ROWS)
-        return module.init(rng, embeds, anchors, taps, kv, prev)["params"]
-    if config.kv_source == "target":
-        return module.init(rng, embeds, anchors, _dummy_kv(config, config.num_layers, _INIT_CONTEXT_ROWS), prev)[
-            "params"
-        ]
-    context = empty_context(config, 1, _INIT_CONTEXT_ROWS)
-    new_context = (jnp.tile(taps, (1, 2, 1)), jnp.arange(2, dtype=jnp.int32)[None])
-    return module.init(rng, embeds, anchors, context, prev, new_context)["params"]
+    inputs = _example_inputs(config)
+    embeds = inputs.embedding[inputs.block_tokens]
+    return drafter_module(config).init(rng, embeds, inputs, _mapped_kv(config, inputs))["params"]
 
 
 def mirrored_target_layers(config: DrafterConfig) -> dict[str, int]:
@@ -85,13 +89,32 @@ def init_from_target(params: dict, config: DrafterConfig, target_params: dict, v
     out = jax.tree.map(lambda x: x, params)
     dtype = params["lm_head"].dtype
     out["lm_head"] = draft_rows(lm_head_matrix(target_params, config.target), vocab).astype(dtype)
+    # Copies, never the target's own buffers: donating the drafter's params must not free the target's.
+    copy = lambda x, ref: jnp.array(x, dtype=ref.dtype, copy=True)
     for name, layer in mirrored_target_layers(config).items():
         source = target_params[f"layers_{layer}"]["self_attn"]
         attn = out[name]["self_attn"]
         for key in COPIED_FROM_TARGET:
             if key in attn:
-                attn[key] = jax.tree.map(lambda x, ref: x.astype(ref.dtype), source[key], attn[key])
+                attn[key] = jax.tree.map(copy, source[key], attn[key])
     return out
+
+
+def _mapped_kv(config: DrafterConfig, inputs: DraftInputs):
+    """The mapped target layers' (k, v), for the families that read the target cache (None otherwise)."""
+    if not mirrored_target_layers(config) or inputs.target_cache is None:
+        return None
+    return target_kv(config, inputs.target_cache)
+
+
+def draft_blocks(params: dict, config: DrafterConfig, inputs: DraftInputs) -> DraftOutput:
+    """The one drafter entry point, for training and inference alike: A blocks per sequence `[B, A, T]`.
+
+    Every family takes the same `DraftInputs` and ignores what it does not use: H-Spec reads `seed_hidden`
+    and the target cache; DFlash/DSpark their `context_kv` (after injecting `new_context`); "DFlash + target
+    KV" the target cache. Returns a `DraftOutput` `[B, A, T, ...]` (logits over the draft vocabulary, fp32)."""
+    embeds = inputs.embedding[inputs.block_tokens]
+    return drafter_module(config).apply({"params": params}, embeds, inputs, _mapped_kv(config, inputs))
 
 
 def draft_block(
@@ -107,23 +130,21 @@ def draft_block(
     new_context: tuple | None = None,
     prev_tokens: jax.Array | None = None,
 ) -> DraftOutput:
-    """One block per sequence. block_tokens `[B, T]` ([anchor, MASK...]); anchors `[B]` (slot-0 positions);
-    embedding `[V, D]` (the target's, frozen). H-Spec needs `seed_hidden [B, F*D]` (taps at anchor - 1) and
-    `target_cache`; DFlash needs its own `context_kv` (+ optional `new_context` rows to inject) or, with
-    kv_source="target", `target_cache`. Inputs a kind does not use are ignored, so a caller may pass them all.
-    Returns a `DraftOutput` with the block axis A removed ([B, T, ...])."""
-    embeds = embedding[block_tokens][:, None]
-    anchors = anchors[:, None]
-    prev = None if prev_tokens is None else prev_tokens[:, None]
-    module = drafter_module(config)
-    if isinstance(config, HSpecConfig):
-        taps = None if seed_hidden is None else seed_hidden[:, None]
-        kv = target_kv(config, target_cache) if config.use_target_kv else None
-        out = module.apply({"params": params}, embeds, anchors, taps, kv, prev)
-    elif config.kv_source == "target":
-        out = module.apply({"params": params}, embeds, anchors, target_kv(config, target_cache), prev)
-    else:
-        out = module.apply({"params": params}, embeds, anchors, context_kv, prev, new_context)
+    """`draft_blocks` with one block per sequence (A = 1), as the engine drafts. block_tokens `[B, T]`
+    ([anchor, MASK...]); anchors `[B]` (slot-0 rows = committed lengths); seed_hidden `[B, F*D]`; prev_tokens
+    `[B, T]`; the caches and `new_context` as in `DraftInputs`. Returns a `DraftOutput` `[B, T, ...]`."""
+    add_block_axis = lambda x: None if x is None else x[:, None]
+    inputs = DraftInputs(
+        embedding=embedding,
+        block_tokens=block_tokens[:, None],
+        anchors=anchors[:, None],
+        seed_hidden=add_block_axis(seed_hidden),
+        target_cache=target_cache,
+        context_kv=context_kv,
+        new_context=new_context,
+        prev_tokens=add_block_axis(prev_tokens),
+    )
+    out = draft_blocks(params, config, inputs)
     squeeze = lambda x: None if x is None else x[:, 0]
     return DraftOutput(squeeze(out.hidden), squeeze(out.logits), squeeze(out.confidence), out.context_kv)
 

@@ -13,7 +13,7 @@ layer i, HF `hidden_states[i]`); `attn_kv_layer_ids` are target decoder-layer in
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from hspec_jax.drafters.mamba2 import MambaConfig
 from hspec_jax.models.config import TargetConfig
@@ -92,6 +92,7 @@ class DrafterCommon:
 
 @dataclasses.dataclass(frozen=True)
 class HSpecConfig(DrafterCommon):
+    family: ClassVar[str] = "hspec"
     attn_kv_layer_ids: tuple[int, ...] = ()
     mamba: MambaConfig | None = None
     block_pattern: tuple[str, ...] = PAPER_BLOCK_PATTERN
@@ -150,6 +151,7 @@ class HSpecConfig(DrafterCommon):
 
 @dataclasses.dataclass(frozen=True)
 class DFlashConfig(DrafterCommon):
+    family: ClassVar[str] = "dflash"
     num_layers: int = 5
     kv_source: str = "inject"
     target_kv_layer_ids: tuple[int, ...] = ()  # with kv_source="target": one target layer per drafter layer
@@ -189,6 +191,7 @@ class DFlashConfig(DrafterCommon):
 
 
 DrafterConfig = HSpecConfig | DFlashConfig
+FAMILIES = {cls.family: cls for cls in (HSpecConfig, DFlashConfig)}
 # The target fields a drafter depends on: its embedding/vocabulary, hidden size, tapped layers, KV geometry, RoPE.
 TARGET_ARCH_FIELDS = (
     "vocab_size",
@@ -218,10 +221,15 @@ DRAFTER_KINDS = ("hspec", "hspec_kv_only", "hspec_last_token", "dflash", "dspark
 
 
 def drafter_config(kind: str, target: TargetConfig, **fields) -> DrafterConfig:
-    """A drafter config by kind name. `fields` are the recipe (layer ids, Mamba shape, ranks ...); fields that
-    do not apply to the kind's family are ignored, so one recipe dict can build every kind."""
+    """A drafter config by kind name. `fields` are the recipe (layer ids, Mamba shape, ranks ...); fields of
+    another drafter family are ignored, so one recipe dict can build every kind, but a field no family has
+    is an error naming it (a typo in a recipe or a command-line override must not pass silently)."""
     if kind not in DRAFTER_KINDS:
         raise ValueError(f"unknown drafter kind {kind!r}; choose from {DRAFTER_KINDS}")
+    known = {f.name for cls in FAMILIES.values() for f in dataclasses.fields(cls)} - {"target"}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"unknown drafter config field(s) {', '.join(map(repr, unknown))}; known: {sorted(known)}")
     family = HSpecConfig if kind.startswith("hspec") else DFlashConfig
     names = {f.name for f in dataclasses.fields(family)}
     fields = {k: v for k, v in fields.items() if k in names}

@@ -6,7 +6,7 @@ and each of its layers projects that latent with its own k_proj / v_proj (k-norm
 position) into a drafter-side KV cache: a real buffer that grows with the context, `[B, S, K, H]` per layer.
 The block [anchor, MASK x k] then attends to that cache (rows < anchor) and bidirectionally to itself.
 
-`__call__(..., new_context=(taps, positions))` first writes the K/V rows of newly committed context
+With `inputs.new_context = (taps, positions, first_row)` the call first writes the K/V rows of newly committed context
 positions into the cache (the "KV injection" whose cost grows with the number of accepted tokens and
 sequences), then drafts. With `kv_source="target"` there is no fusion and no cache: each layer reads one
 mapped target layer's KV cache in place, like H-Spec's attention.
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from hspec_jax.drafters.config import DFlashConfig
 from hspec_jax.drafters.heads import ConfidenceHead, MarkovHead
+from hspec_jax.drafters.inputs import DraftInputs
 from hspec_jax.drafters.layers import DraftAttention
 from hspec_jax.drafters.output import DraftOutput, apply_heads, draft_logits
 from hspec_jax.models.kv_cache import write_rows
@@ -31,9 +32,10 @@ class DFlashLayer(nn.Module):
     config: DFlashConfig
 
     @nn.compact
-    def __call__(self, h, anchors, context, new_rows=None):
-        """h `[B, A, T, D]`; context (k, v) `[B, S, K, H]`; new_rows (latent `[B, C, D]`, positions `[B, C]`,
-        starts `[B]`) to project and write into the context first -> (h, context)."""
+    def __call__(self, h, anchors, doc_starts, context, new_rows=None):
+        """h `[B, A, T, D]`; anchors, doc_starts `[B, A]`; context (k, v) `[B, S, K, H]`; new_rows (latent
+        `[B, C, D]`, positions `[B, C]`, first row `[B]`) to project and write into the context first
+        -> (h, context)."""
         cfg = self.config
         target = cfg.target
         dtype, pdtype, eps = cfg.compute_dtype, cfg.storage_dtype, target.rms_norm_eps
@@ -43,7 +45,7 @@ class DFlashLayer(nn.Module):
             latent, positions, starts = new_rows
             k_new, v_new = attn.key_value(latent, positions)
             context = (write_rows(context[0], k_new, starts), write_rows(context[1], v_new, starts))
-        h = h + attn(RMSNorm(eps, pdtype, name="input_layernorm")(h), anchors, context)
+        h = h + attn(RMSNorm(eps, pdtype, name="input_layernorm")(h), anchors, doc_starts, context)
         mlp = MLP(target.hidden_size, cfg.mlp_size, False, dtype, pdtype, name="mlp")
         return h + mlp(RMSNorm(eps, pdtype, name="post_attention_layernorm")(h)), context
 
@@ -52,29 +54,33 @@ class DFlash(nn.Module):
     config: DFlashConfig
 
     @nn.compact
-    def __call__(self, embeds, anchors, context_kv, prev_tokens=None, new_context=None) -> DraftOutput:
-        """embeds `[B, A, T, D]`; anchors `[B, A]`; context_kv: per layer (k, v) `[B, S, K, H]` (the drafter
-        cache, or with kv_source="target" the mapped target layers); new_context (taps `[B, C, F*D]`,
-        positions `[B, C]`): context rows to inject first, written at rows positions[:, 0] onwards."""
+    def __call__(self, embeds, inputs: DraftInputs, target_kv=None) -> DraftOutput:
+        """embeds `[B, A, T, D]`; `inputs` (see `DraftInputs`): anchors, doc_starts, prev_tokens, context_kv (per
+        layer (k, v) `[B, S, K, H]`, the drafter cache) and new_context (taps `[B, C, F*D]`, positions `[B, C]`,
+        first row `[B]`: context rows to inject first); with kv_source="target", `target_kv` (the mapped target
+        layers) replaces the drafter cache."""
         cfg = self.config
         target = cfg.target
         dtype, pdtype = cfg.compute_dtype, cfg.storage_dtype
+        reads_target = cfg.kv_source == "target"
+        new_context = None if reads_target else inputs.new_context  # nothing to inject into the target's cache
+        context_kv = target_kv if reads_target else inputs.context_kv
         new_rows = None
         if new_context is not None:
-            if cfg.kv_source == "target":
-                raise ValueError("DFlash with kv_source='target' reads the target cache and injects nothing")
-            taps, positions = new_context
+            taps, positions, first_row = new_context
             fc = dense(target.hidden_size, "fc", dtype=dtype, param_dtype=pdtype)
             latent = RMSNorm(target.rms_norm_eps, pdtype, name="hidden_norm")(fc(taps.astype(dtype)))
-            new_rows = (latent, positions, positions[:, 0])
+            new_rows = (latent, positions, first_row)
         h = embeds.astype(dtype)
         updated = []
         for i in range(cfg.num_layers):
-            h, context = DFlashLayer(cfg, name=f"layers_{i}")(h, anchors, context_kv[i], new_rows)
+            layer = DFlashLayer(cfg, name=f"layers_{i}")
+            h, context = layer(h, inputs.anchors, inputs.doc_starts, context_kv[i], new_rows)
             updated.append(context)
         hidden, logits = draft_logits(self, cfg, h)
         markov = MarkovHead(target.vocab_size, cfg.vocab_size, cfg.markov_rank, pdtype, name="markov_head")
-        out = apply_heads(cfg, markov, ConfidenceHead(pdtype, name="confidence_head"), hidden, logits, prev_tokens)
+        confidence = ConfidenceHead(pdtype, name="confidence_head")
+        out = apply_heads(cfg, markov, confidence, hidden, logits, inputs.prev_tokens)
         return out._replace(context_kv=tuple(updated) if new_context is not None else None)
 
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from hspec_jax.drafters.config import HSpecConfig
 from hspec_jax.drafters.heads import ConfidenceHead, MarkovHead
+from hspec_jax.drafters.inputs import DraftInputs
 from hspec_jax.drafters.layers import AttentionSubLayer, MambaSubLayer, MLPSubLayer
 from hspec_jax.drafters.output import DraftOutput, apply_heads, draft_logits
 from hspec_jax.models.layers import RMSNorm, dense
@@ -30,19 +31,18 @@ class HSpec(nn.Module):
     config: HSpecConfig
 
     @nn.compact
-    def __call__(self, embeds, anchors, seed_hidden=None, target_kv=None, prev_tokens=None) -> DraftOutput:
-        """embeds `[B, A, T, D]` (target embeddings of the block tokens); anchors `[B, A]` (position of slot 0 =
-        context rows before the block); seed_hidden `[B, A, F*D]` (concatenated taps at anchor - 1);
-        target_kv: per attention sub-layer, the mapped target layer's (k, v) `[B, S, K, H]`;
-        prev_tokens `[B, A, T]` (the token before each slot, for the Markov head; None = base logits only)."""
+    def __call__(self, embeds, inputs: DraftInputs, target_kv=None) -> DraftOutput:
+        """embeds `[B, A, T, D]` (target embeddings of the block tokens); `inputs` (see `DraftInputs`): anchors,
+        doc_starts, seed_hidden `[B, A, F*D]` (concatenated taps at anchor - 1), prev_tokens; target_kv: per
+        attention sub-layer, the mapped target layer's (k, v) `[B, S, K, H]`."""
         cfg = self.config
         target = cfg.target
         dtype, pdtype, eps = cfg.compute_dtype, cfg.storage_dtype, target.rms_norm_eps
-        b, a = anchors.shape
+        b, a = inputs.anchors.shape
         seeds = []
         if cfg.num_seed_projections:
             fc = dense(cfg.latent_size, "fc", dtype=dtype, param_dtype=pdtype)
-            latent = RMSNorm(eps, pdtype, name="hidden_norm")(fc(seed_hidden.astype(dtype)))
+            latent = RMSNorm(eps, pdtype, name="hidden_norm")(fc(inputs.seed_hidden.astype(dtype)))
             size = cfg.mamba.num_heads * cfg.mamba.head_dim * cfg.mamba.d_state
             for j in range(cfg.num_seed_projections):
                 seed = dense(size, f"seed_projs_{j}", dtype=dtype, param_dtype=pdtype)(latent)
@@ -61,11 +61,11 @@ class HSpec(nn.Module):
                 sub = AttentionSubLayer(
                     attention, eps, cfg.sliding_window, True, cfg.attention_impl, name=f"layers_{i}"
                 )
-                h = sub(h, anchors, context)
+                h = sub(h, inputs.anchors, inputs.doc_starts, context)
                 attn_index += 1
             else:
                 h = MLPSubLayer(target.hidden_size, cfg.mlp_size, eps, dtype, pdtype, name=f"layers_{i}")(h)
         hidden, logits = draft_logits(self, cfg, h)
         markov = MarkovHead(target.vocab_size, cfg.vocab_size, cfg.markov_rank, pdtype, name="markov_head")
         confidence = ConfidenceHead(pdtype, name="confidence_head")
-        return apply_heads(cfg, markov, confidence, hidden, logits, prev_tokens)
+        return apply_heads(cfg, markov, confidence, hidden, logits, inputs.prev_tokens)

@@ -18,9 +18,11 @@ from hspec_jax.models.decoder import AttentionProjections
 from hspec_jax.models.layers import MLP, RMSNorm
 
 
-def block_positions(anchors: jax.Array, block_size: int) -> jax.Array:
-    """anchors `[B, A]` -> positions `[B, A, T]` of the block slots (slot t sits at anchor + t)."""
-    return anchors[..., None] + jnp.arange(block_size)
+def block_positions(anchors: jax.Array, doc_starts: jax.Array | None, block_size: int) -> jax.Array:
+    """anchors, doc_starts (None = 0) `[B, A]` -> RoPE positions `[B, A, T]` of the block slots: slot t sits at
+    position anchor - doc_start + t of its document (at inference doc_start = 0 and position = row)."""
+    start = anchors if doc_starts is None else anchors - doc_starts
+    return start[..., None] + jnp.arange(block_size)
 
 
 class DraftAttention(AttentionProjections):
@@ -34,10 +36,11 @@ class DraftAttention(AttentionProjections):
     causal: bool = True
     impl: str = "auto"
 
-    def __call__(self, x, anchors, context):
-        """x `[B, A, T, D]`, anchors `[B, A]`, context (k, v) each `[B, S, K, H]` or None -> `[B, A, T, D]`."""
+    def __call__(self, x, anchors, doc_starts, context):
+        """x `[B, A, T, D]`, anchors and doc_starts (or None) `[B, A]`, context (k, v) each `[B, S, K, H]` or
+        None -> `[B, A, T, D]`."""
         b, a, t, d = x.shape
-        positions = block_positions(anchors, t).reshape(b * a, t)
+        positions = block_positions(anchors, doc_starts, t).reshape(b * a, t)
         flat = x.reshape(b * a, t, d)
         q = self.query(flat, positions)
         k, v = self.key_value(flat, positions)
@@ -50,6 +53,7 @@ class DraftAttention(AttentionProjections):
             k_ctx,
             v_ctx,
             anchors,
+            doc_starts,
             window=self.window,
             causal=self.causal,
             impl=self.impl,
@@ -67,10 +71,10 @@ class AttentionSubLayer(nn.Module):
     impl: str = "auto"
 
     @nn.compact
-    def __call__(self, h, anchors, context):
+    def __call__(self, h, anchors, doc_starts, context):
         normed = RMSNorm(self.eps, self.attention.param_dtype, name="input_layernorm")(h)
         attn = DraftAttention(self.attention, self.window, self.causal, self.impl, name="self_attn")
-        return h + attn(normed, anchors, context)
+        return h + attn(normed, anchors, doc_starts, context)
 
 
 class MambaSubLayer(nn.Module):

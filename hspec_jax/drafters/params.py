@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from hspec_jax.drafters.api import mirrored_target_layers
-from hspec_jax.drafters.config import DrafterConfig, HSpecConfig
+from hspec_jax.drafters.config import DrafterConfig
 
 # Kept frozen: the draft lm_head (target rows), and the q/k norms copied from the target layers whose
 # KV cache is read (block keys must stay normalised exactly like the cached ones).
@@ -29,22 +29,30 @@ def trainable_mask(params: dict, config: DrafterConfig):
     return jax.tree_util.tree_map_with_path(lambda kp, _: is_trainable(config, _path(kp)), params)
 
 
-def component(config: DrafterConfig, path: tuple[str, ...]) -> str:
-    """Human-readable component of a parameter path."""
+_SUBLAYER_COMPONENTS = {
+    "self_attn": "attention",
+    "input_layernorm": "attention",
+    "ssm": "mamba-2 mixers",
+    "ssm_norm": "mamba-2 mixers",
+}
+_TOP_COMPONENTS = {
+    "fc": "fusion of target hidden states",
+    "hidden_norm": "fusion of target hidden states",
+    "norm": "final norm",
+    "lm_head": "draft lm_head",
+    "markov_head": "markov head",
+    "confidence_head": "confidence head",
+}
+
+
+def component(path: tuple[str, ...]) -> str:
+    """Human-readable component of a parameter path (the same names for every drafter family)."""
     top = path[0]
-    if top in ("fc", "hidden_norm") or top.startswith("seed_projs"):
-        return "latent fusion + seed" if isinstance(config, HSpecConfig) else "context fusion (fc)"
+    if top.startswith("seed_projs"):
+        return "ssm seed projection"
     if top.startswith("layers_"):
-        if isinstance(config, HSpecConfig):
-            kind = config.block_pattern[int(top.split("_")[1])]
-            return {"mamba": "mamba-2 mixers", "attn": "attention", "mlp": "mlp"}[kind]
-        return "attention" if path[1] in ("self_attn", "input_layernorm") else "mlp"
-    return {
-        "norm": "final norm",
-        "lm_head": "draft lm_head",
-        "markov_head": "markov head",
-        "confidence_head": "confidence head",
-    }[top]
+        return _SUBLAYER_COMPONENTS.get(path[1], "mlp")
+    return _TOP_COMPONENTS[top]
 
 
 def count_by_component(params, config: DrafterConfig) -> dict[str, dict[str, int]]:
@@ -52,6 +60,6 @@ def count_by_component(params, config: DrafterConfig) -> dict[str, dict[str, int
     counts: dict[str, dict[str, int]] = {}
     for key_path, leaf in jax.tree_util.tree_leaves_with_path(params):
         path = _path(key_path)
-        entry = counts.setdefault(component(config, path), {"trainable": 0, "frozen": 0})
+        entry = counts.setdefault(component(path), {"trainable": 0, "frozen": 0})
         entry["trainable" if is_trainable(config, path) else "frozen"] += int(np.prod(leaf.shape))
     return counts

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from hspec_jax.models.config import TargetConfig
 from hspec_jax.models.kv_cache import KVCache, init_cache, write_rows
-from hspec_jax.models.layers import INIT_STD, MLP, RMSNorm, dense, dot_product_attention
+from hspec_jax.models.layers import INIT_STD, MLP, RMSNorm, dense, dot_product_attention, rms_norm
 from hspec_jax.models.rope import apply_rope, inverse_frequencies
 
 
@@ -33,13 +33,18 @@ class DecoderOutput(NamedTuple):
     cache: KVCache  # with this call's rows written at lengths[b] + t; lengths unchanged
 
 
-def causal_mask(positions: jax.Array, num_keys: int, window: int | None = None) -> jax.Array:
-    """`[B, T, S]`: key row j is visible to the query at `positions[b, t]` iff j <= pos (and pos - j < window)."""
+def causal_mask(
+    rows: jax.Array, num_keys: int, window: int | None = None, doc_starts: jax.Array | None = None
+) -> jax.Array:
+    """`[B, T, S]`: key row j is visible to the query in cache row `rows[b, t]` iff j <= row (and row - j < window,
+    and j >= `doc_starts[b, t]`, the first row of the query's document when documents are packed in a row)."""
     keys = jnp.arange(num_keys)[None, None, :]
-    pos = positions[:, :, None]
-    mask = keys <= pos
+    row = rows[:, :, None]
+    mask = keys <= row
     if window is not None:
-        mask &= keys > pos - window
+        mask &= keys > row - window
+    if doc_starts is not None:
+        mask &= keys >= doc_starts[:, :, None]
     return mask
 
 
@@ -89,13 +94,16 @@ class SelfAttention(AttentionProjections):
 
     window: int | None = None
 
-    def __call__(self, x, positions, k_buf, v_buf, starts):
-        """x `[B, T, D]`, positions `[B, T]`, caches `[B, S, K, H]` -> (out `[B, T, D]`, k_buf, v_buf)."""
+    def __call__(self, x, positions, k_buf, v_buf, starts, doc_starts=None):
+        """x `[B, T, D]`, positions `[B, T]` (RoPE), caches `[B, S, K, H]`, starts `[B]` (first row written),
+        doc_starts `[B, T]` or None -> (out `[B, T, D]`, k_buf, v_buf)."""
         q = self.query(x, positions)
         k, v = self.key_value(x, positions)
         k_buf = write_rows(k_buf, k, starts)
         v_buf = write_rows(v_buf, v, starts)
-        out = dot_product_attention(q, k_buf, v_buf, causal_mask(positions, k_buf.shape[1], self.window))
+        rows = starts[:, None] + jnp.arange(x.shape[1])[None, :]
+        mask = causal_mask(rows, k_buf.shape[1], self.window, doc_starts)
+        out = dot_product_attention(q, k_buf, v_buf, mask)
         return self.output(out), k_buf, v_buf
 
 
@@ -104,11 +112,11 @@ class DecoderLayer(nn.Module):
     window: int | None = None
 
     @nn.compact
-    def __call__(self, x, positions, k_buf, v_buf, starts):
+    def __call__(self, x, positions, k_buf, v_buf, starts, doc_starts=None):
         cfg = self.config
         norm = dict(eps=cfg.rms_norm_eps, param_dtype=cfg.param_dtype)
         attn, k_buf, v_buf = SelfAttention(cfg, self.window, name="self_attn")(
-            RMSNorm(**norm, name="input_layernorm")(x), positions, k_buf, v_buf, starts
+            RMSNorm(**norm, name="input_layernorm")(x), positions, k_buf, v_buf, starts, doc_starts
         )
         x = x + attn
         mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.dtype, cfg.param_dtype, name="mlp")
@@ -128,8 +136,11 @@ class Decoder(nn.Module):
         cache: KVCache,
         taps: tuple[int, ...] = (),
         logit_indices: jax.Array | None = None,
+        positions: jax.Array | None = None,
     ) -> DecoderOutput:
-        """tokens `[B, T]` int; `logit_indices [B, P]` (optional) picks the positions to compute logits at."""
+        """tokens `[B, T]` int; `logit_indices [B, P]` (optional) picks the positions to compute logits at;
+        `positions [B, T]` (optional, training on packed rows): each token's position within its document,
+        which starts at row `row - position`: RoPE uses it and no token attends across documents."""
         cfg = self.config
         for tap in taps:
             if not 0 <= tap <= cfg.num_layers:
@@ -143,13 +154,15 @@ class Decoder(nn.Module):
             name="embed_tokens",
         )
         starts = cache.lengths
-        positions = starts[:, None] + jnp.arange(tokens.shape[1])[None, :]
+        rows = starts[:, None] + jnp.arange(tokens.shape[1])[None, :]
+        doc_starts = None if positions is None else rows - positions
+        positions = rows if positions is None else positions
         x = embed(tokens)
         streams = [x]
         ks, vs = list(cache.k), list(cache.v)
         for i in range(cfg.num_layers):
             layer = DecoderLayer(cfg, cfg.layer_window(i), name=f"layers_{i}")
-            x, ks[i], vs[i] = layer(x, positions, ks[i], vs[i], starts)
+            x, ks[i], vs[i] = layer(x, positions, ks[i], vs[i], starts, doc_starts)
             streams.append(x)
         hidden = tuple(streams[i] for i in taps)
         if logit_indices is not None:
@@ -175,9 +188,10 @@ def forward(
     cache: KVCache,
     taps: tuple[int, ...] = (),
     logit_indices: jax.Array | None = None,
+    positions: jax.Array | None = None,
 ) -> DecoderOutput:
     """Pure-function form of `Decoder(config)`: see the module docstring."""
-    return Decoder(config).apply({"params": params}, tokens, cache, taps, logit_indices)
+    return Decoder(config).apply({"params": params}, tokens, cache, taps, logit_indices, positions)
 
 
 def init_params(config: TargetConfig, rng: jax.Array) -> dict:
@@ -194,3 +208,14 @@ def embedding_matrix(params: dict) -> jax.Array:
 def lm_head_matrix(params: dict, config: TargetConfig) -> jax.Array:
     """The output projection `[V, D]` (the embedding table when tied)."""
     return embedding_matrix(params) if config.tie_word_embeddings else params["lm_head"]
+
+
+def output_logits(params: dict, config: TargetConfig, hidden: jax.Array, vocab_ids: jax.Array | None = None):
+    """The target's last step outside the module: final norm and lm_head of pre-norm hidden states `[..., D]`
+    (tap L) -> fp32 logits `[..., V]`, or `[..., len(vocab_ids)]` over the chosen vocabulary rows only (the
+    draft vocabulary in training: a full `[..., V]` never exists)."""
+    head = lm_head_matrix(params, config)
+    if vocab_ids is not None:
+        head = head[vocab_ids]
+    normed = rms_norm(hidden.astype(config.dtype), params["norm"]["scale"], config.rms_norm_eps)
+    return jnp.einsum("...d,vd->...v", normed, head.astype(config.dtype), preferred_element_type=jnp.float32)

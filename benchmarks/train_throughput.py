@@ -1,0 +1,119 @@
+"""Training throughput and memory of one step on the SmolLM2 target: H-Spec vs DSpark vs DFlash.
+
+    python -m benchmarks.train_throughput [--seq-len 1024 --batch-size 2 --anchors 128 --steps 5]
+
+Each kind runs the real jitted train step (`train/step.py`: frozen target forward over the packed rows,
+drafter over all anchors in chunks, loss, AdamW update) on synthetic packed rows (random tokens in four
+documents per row, half of each supervised; the step's cost does not depend on the token values). Reported:
+median step time, training tokens/s (packed tokens per second), supervised block slots per second, and the
+compiled step's memory as XLA plans it (arguments + outputs + temporaries, `memory_analysis()`), all from one
+run on this machine (CPU model printed beside the numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import cpu_model, median_time, write_report
+from hspec_jax.checkpoints import load_target
+from hspec_jax.drafters import init_drafter, init_from_target
+from hspec_jax.drafters.vocab import build_draft_vocab
+from hspec_jax.recipes import drafter_from_recipe, load_config
+from train.losses import recipe_weights
+from train.optim import make_optimizer
+from train.step import StepConfig, TrainState, make_train_step
+
+KINDS = ("hspec", "dspark", "dflash")
+
+
+def synthetic_batch(rng, vocab_size: int, batch: int, length: int, anchors: int, block: int) -> dict:
+    """Packed rows of four equal documents; the second half of each document supervised; sorted anchors."""
+    doc = length // 4
+    positions = np.tile(np.arange(length) % doc, (batch, 1)).astype(np.int32)
+    doc_ids = np.tile(np.arange(length) // doc, (batch, 1)).astype(np.int32)
+    loss_mask = positions >= doc // 2
+    candidates = np.flatnonzero(loss_mask[0, : length - block] & loss_mask[0, 1 : length - block + 1])
+    picks = np.stack([np.sort(rng.choice(candidates, anchors, replace=False)) for _ in range(batch)])
+    return {
+        "tokens": rng.integers(0, vocab_size, (batch, length)).astype(np.int32),
+        "positions": positions,
+        "doc_ids": doc_ids,
+        "loss_mask": loss_mask,
+        "anchors": picks.astype(np.int32),
+        "anchor_valid": np.ones((batch, anchors), bool),
+    }
+
+
+def measure(recipe, kind, target, target_params, batch, steps):
+    drafter = drafter_from_recipe(recipe, kind, target)
+    vocab = build_draft_vocab(np.asarray(batch["tokens"]), target.vocab_size, drafter.vocab_size)
+    params = init_from_target(init_drafter(drafter, jax.random.key(0)), drafter, target_params, vocab)
+    train = recipe.train.copy_and_resolve_references()
+    optimizer, schedule = make_optimizer(train, params, drafter)
+    state = TrainState(jnp.int32(0), params, optimizer.init(params), jax.random.key_data(jax.random.key(0)))
+    weights = recipe_weights(kind, train.gamma)
+    step = make_train_step(StepConfig(target, drafter, weights, train.anchors_per_chunk), optimizer, schedule)
+    batch = jax.tree.map(jnp.asarray, batch)
+    compiled = step.lower(state, target_params, vocab, batch).compile()
+    memory = compiled.memory_analysis()
+    planned = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
+    holder = {"state": state}
+
+    def once():
+        holder["state"], metrics = compiled(holder["state"], target_params, vocab, batch)
+        jax.block_until_ready(metrics["loss"])
+
+    once()
+    return median_time(once, steps), planned, memory.temp_size_in_bytes
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--recipe", default="configs/smollm2.py")
+    parser.add_argument("--target", default="smollm2")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--anchors", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results/train_throughput.md")
+    args = parser.parse_args(argv)
+    recipe = load_config(args.recipe)
+    target, target_params = load_target(args.target)
+    rng = np.random.default_rng(0)
+    block = recipe.drafter.block_size
+    batch = synthetic_batch(rng, target.vocab_size, args.batch_size, args.seq_len, args.anchors, block)
+    tokens = args.batch_size * args.seq_len
+    slots = args.batch_size * args.anchors * (block - 1)
+    rows = []
+    for kind in KINDS:
+        seconds, planned, temp = measure(recipe, kind, target, target_params, batch, args.steps)
+        rows.append(
+            f"| {kind} | {seconds * 1e3:.0f} | {tokens / seconds:.0f} | {slots / seconds:.0f} | "
+            f"{planned / 2**20:.0f} | {temp / 2**20:.0f} |"
+        )
+        print(rows[-1], flush=True)
+    lines = [
+        "# Training step throughput on SmolLM2: H-Spec vs DSpark vs DFlash",
+        "",
+        f"Machine: {cpu_model()}, {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}), fp32.",
+        f"Command: `python -m benchmarks.train_throughput --seq-len {args.seq_len} --batch-size {args.batch_size} "
+        f"--anchors {args.anchors} --steps {args.steps}`",
+        "",
+        f"A step: {args.batch_size} packed rows x {args.seq_len} tokens ({tokens} tokens), {args.anchors} anchors "
+        f"per row ({slots} supervised block slots), anchors in chunks of {recipe.train.anchors_per_chunk}, "
+        "AdamW. Synthetic packed rows (random tokens); median of the timed steps after compilation.",
+        "",
+        "| kind | step ms | tokens/s | block slots/s | step memory MiB (args+out+temp) | temporaries MiB |",
+        "|---|---|---|---|---|---|",
+        *rows,
+    ]
+    write_report(args.out, lines)
+
+
+if __name__ == "__main__":
+    main()

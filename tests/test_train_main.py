@@ -1,0 +1,158 @@
+"""`python -m train.main` end to end on the tiny recipe: it trains and exports a loadable drafter, resumes
+exactly after kill -9, two processes train like one, and bad overrides are one-line errors."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAMES = ["Ada", "Bo", "Cy", "Di", "Ed", "Flo", "Gus", "Hal"]
+
+
+def write_conversations(path, count=160):
+    """Templated arithmetic chats written here (no external data): learnable, deterministic text."""
+    rng = np.random.default_rng(0)
+    with open(path, "w") as f:
+        for i in range(count):
+            a, b = (int(x) for x in rng.integers(1, 50, 2))
+            name = NAMES[i % len(NAMES)]
+            messages = [
+                {"role": "user", "content": f"{name} has {a} apples and gets {b} more. How many now?"},
+                {"role": "assistant", "content": f"{name} now has {a} + {b} = {a + b} apples."},
+            ]
+            f.write(json.dumps({"id": f"sum-{i}", "messages": messages}) + "\n")
+    return str(path)
+
+
+def command(workdir, data, *overrides):
+    return [
+        sys.executable,
+        "-m",
+        "train.main",
+        "--config=configs/tiny.py",
+        f"--workdir={workdir}",
+        f"--config.data.sources={data}",
+        "--config.data.exclude_eval_prompts=False",
+        "--config.data.seq_len=128",
+        "--config.data.max_anchors=16",
+        "--config.train.batch_size=2",
+        "--config.train.log_every=1",
+        *overrides,
+    ]
+
+
+def run(cmd, **kw):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, **kw)
+
+
+def losses(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # every step once, in order
+    return [r["loss"] for r in rows]
+
+
+@pytest.mark.slow
+def test_trains_exports_and_resumes_exactly_after_kill(tmp_path):
+    data = write_conversations(tmp_path / "chat.jsonl")
+    steps = ["--config.train.num_steps=9", "--config.train.checkpoint_every=3", "--config.train.eval_every=9"]
+    straight = tmp_path / "straight"
+    proc = run(command(straight, data, *steps))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["tau"] >= 1.0 and "accept_1" in result
+    reference = losses(straight)
+    assert len(reference) == 9 and reference[-1] < reference[0]
+    assert os.path.exists(straight / "drafter" / "hspec_drafter.json")
+    assert os.path.exists(straight / "vocab.npz") and os.path.exists(straight / "data.json")
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(straight))
+
+    # The same run killed (SIGKILL) after its step-6 checkpoint, then started again with the same workdir.
+    resumed = tmp_path / "resumed"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
+    victim = subprocess.Popen(
+        command(resumed, data, *steps), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.time() + 600
+    while not os.path.exists(resumed / "checkpoints" / "6") and time.time() < deadline:
+        time.sleep(0.2)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert os.path.exists(resumed / "checkpoints" / "6")
+    proc = run(command(resumed, data, *steps))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    np.testing.assert_allclose(losses(resumed), reference, rtol=1e-6)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one(tmp_path):
+    data = write_conversations(tmp_path / "chat.jsonl")
+    steps = ["--config.train.num_steps=3", "--config.train.eval_every=0", "--config.data.held_out_prompts=0"]
+    single = tmp_path / "single"
+    proc = run(command(single, data, *steps))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
+    procs = [
+        subprocess.Popen(
+            command(
+                tmp_path / "multi",
+                data,
+                *steps,
+                "--config.mesh=data=2",
+                f"--coordinator=localhost:{port}",
+                "--num_processes=2",
+                f"--process_id={i}",
+            ),
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err[-3000:]
+    np.testing.assert_allclose(losses(tmp_path / "multi"), losses(single), rtol=2e-5)
+
+
+def test_unknown_override_is_a_one_line_error(tmp_path):
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "train.main",
+            "--config=configs/tiny.py",
+            f"--workdir={tmp_path}",
+            "--config.train.nmu_steps=3",
+        ]
+    )
+    assert proc.returncode != 0
+    assert "nmu_steps" in proc.stderr
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "train.main",
+            "--config=configs/tiny.py",
+            f"--workdir={tmp_path}",
+            "--config.drafter.mamba_heads=3",
+        ]
+    )
+    assert proc.returncode != 0 and "mamba_heads" in proc.stderr

@@ -1,0 +1,27 @@
+"""Training scale-out: a few steps on 8 simulated host devices (data, fsdp, model meshes) give the losses of
+one device, with the drafter's parameters sharded over fsdp and the batch over data x fsdp."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_sharded_training_equals_one_device():
+    script = os.path.join(ROOT, "tests", "train_sharded_run.py")
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, cwd=ROOT, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for kind in ("hspec", "dspark"):
+        single = results[f"{kind} single"]["losses"]
+        assert single[-1] < single[0]
+        for spec in ("data=8", "fsdp=8", "data=2,fsdp=2,model=2", "fsdp=4,model=2"):
+            np.testing.assert_allclose(results[f"{kind} {spec}"]["losses"], single, rtol=2e-4, err_msg=spec)
+    assert results["hspec fsdp=8"]["fc_sharding"] == "PartitionSpec('fsdp', None)"
+    assert results["hspec data=2,fsdp=2,model=2"]["batch_sharding"] == "PartitionSpec(('data', 'fsdp'), None)"

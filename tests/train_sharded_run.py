@@ -1,0 +1,54 @@
+"""Run by tests/test_train_scale.py in a subprocess with 8 host devices: a few training steps of H-Spec and
+DSpark on the tiny recipe on one device and on several meshes; prints the losses and shardings as JSON."""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from test_train_step import TARGET, packed_batch, setup_state
+
+from hspec_jax import parallel
+from hspec_jax.models import init_params
+from train.losses import LossWeights
+from train.step import BATCH_KEYS, StepConfig, TrainState, make_train_step
+
+assert jax.device_count() == 8, jax.devices()
+STEPS = 3
+target_params = init_params(TARGET, jax.random.key(0))
+batches = [packed_batch(seed=s, batch=2) for s in range(STEPS)]
+batches = [{k: np.concatenate([b[k]] * 4) for k in BATCH_KEYS} for b in batches]  # 8 rows
+
+results = {}
+for kind in ("hspec", "dspark"):
+    for spec in ("single", "data=8", "fsdp=8", "data=2,fsdp=2,model=2", "fsdp=4,model=2"):
+        drafter, vocab, state, optimizer, schedule = setup_state(kind, target_params)
+        mesh = None if spec == "single" else parallel.make_mesh(spec)
+        tp = target_params
+        if mesh is not None:
+            params = parallel.shard_params(state.params, mesh, TARGET.head_dim, fsdp=True)
+            state = TrainState(state.step, params, jax.jit(optimizer.init)(params), state.rng)
+            tp = parallel.shard_params(target_params, mesh, TARGET.head_dim)
+        step = make_train_step(
+            StepConfig(TARGET, drafter, LossWeights(), anchors_per_chunk=6), optimizer, schedule, mesh
+        )
+        losses = []
+        for batch in batches:
+            if mesh is not None:
+                batch = {k: jax.device_put(v, parallel.batch_sharding(mesh, v.shape)) for k, v in batch.items()}
+            else:
+                batch = jax.tree.map(jnp.asarray, batch)
+            state, metrics = step(state, tp, vocab, batch)
+            losses.append(float(metrics["loss"]))
+        entry = {"losses": losses}
+        if mesh is not None:
+            entry["fc_sharding"] = str(state.params["fc"]["kernel"].sharding.spec)
+            entry["batch_sharding"] = str(batch["tokens"].sharding.spec)
+        results[f"{kind} {spec}"] = entry
+print(json.dumps(results))

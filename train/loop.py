@@ -1,0 +1,306 @@
+"""The training loop behind `train.main`: set-up, resume, steps, logs, checkpoints, periodic real tau, export.
+
+`train(config, workdir)` is the whole job (see `train/main.py` for the command line and the work directory's
+layout); the pieces below are small so a researcher can reuse them in their own loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from hspec_jax import parallel
+from hspec_jax.checkpoints.drafter_io import save_drafter
+from hspec_jax.decoding import chat_prompt_ids, pad_batch
+from hspec_jax.decoding.speculative import speculative_generate
+from hspec_jax.drafters import init_drafter, init_from_target
+from hspec_jax.drafters.config import DrafterConfig
+from hspec_jax.drafters.vocab import DraftVocab, draft_vocab_from_counts, vocab_from_ids
+from hspec_jax.recipes import drafter_from_recipe
+from train import data as train_data
+from train.chat import user_texts
+from train.losses import recipe_weights
+from train.optim import make_optimizer
+from train.step import BATCH_KEYS, StepConfig, TrainState, make_train_step
+from train.targets import load_target_and_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Run:
+    """What the loop needs, built once by `setup`."""
+
+    config: ml_collections.ConfigDict
+    workdir: str
+    target: object
+    target_params: dict
+    tokenizer: object
+    drafter: DrafterConfig
+    vocab: DraftVocab
+    mesh: jax.sharding.Mesh
+    iterator: object
+    held_out: list  # token ids of the held-out prompts (real tau)
+    data_report: dict
+
+
+def evaluation_texts() -> list[str]:
+    """Every turn of every evaluation prompt (`eval.prompts`): none may appear in training data."""
+    from eval.prompts import load_prompts
+
+    return [turn for prompt in load_prompts() for turn in prompt.turns]
+
+
+def draft_vocabulary(workdir: str, loaded, tokenizer, target, drafter: DrafterConfig) -> DraftVocab:
+    """The draft vocabulary: read from the work directory on resume, else built from the supervised tokens
+    of the training data (top `draft_vocab_size` by frequency, EOS always kept) and written there."""
+    path = os.path.join(workdir, "vocab.npz")
+    if os.path.exists(path):
+        with np.load(path) as stored:
+            return vocab_from_ids(stored["d2t"], target.vocab_size)
+    counts = train_data.supervised_token_counts(loaded, tokenizer, target.vocab_size)
+    vocab = draft_vocab_from_counts(counts, drafter.vocab_size, always=target.eos_token_ids)
+    if jax.process_index() == 0:
+        np.savez(path, d2t=np.asarray(vocab.d2t), t2d=np.asarray(vocab.t2d))
+    return vocab
+
+
+def split_held_out(loaded, count: int):
+    """(training sources, held-out conversations): the last `count` conversations of the first source are
+    kept out of training, for the periodic real-tau check."""
+    if count <= 0:
+        return loaded, []
+    first = loaded[0]
+    if len(first.conversations) <= count:
+        raise ValueError(f"source {first.source.name!r} has too few conversations to hold out {count}")
+    kept = dataclasses.replace(first, conversations=first.conversations[:-count])
+    return [kept, *loaded[1:]], first.conversations[-count:]
+
+
+def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
+    """Load the target, the data and the draft vocabulary; build the data iterator (not yet restored)."""
+    if not config.target.path:
+        raise ValueError("set the target to train against: --config.target.path=smollm2|HF dir|.gguf|Orbax dir")
+    os.makedirs(workdir, exist_ok=True)
+    target, target_params, tokenizer = load_target_and_tokenizer(config.target.path)
+    drafter = drafter_from_recipe(config, target=target)
+    mesh = parallel.make_mesh(config.mesh)
+    batch_size = config.train.batch_size
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if batch_size % jax.process_count() or batch_size % shards:
+        raise ValueError(
+            f"train.batch_size {batch_size} must divide over {jax.process_count()} processes and the "
+            f"data x fsdp = {shards} batch shards of mesh {config.mesh!r}"
+        )
+    exclude = evaluation_texts() if config.data.exclude_eval_prompts else []
+    loaded = train_data.load_mixture(config.data.sources, exclude)
+    loaded, held_out_conversations = split_held_out(loaded, config.data.held_out_prompts)
+    held_out = [chat_prompt_ids(tokenizer, user_texts(c.messages)[0]) for c in held_out_conversations]
+    vocab = draft_vocabulary(workdir, loaded, tokenizer, target, drafter)
+    iterator = train_data.make_train_iterator(
+        loaded,
+        tokenizer,
+        seq_len=config.data.seq_len,
+        batch_size=batch_size // jax.process_count(),
+        max_anchors=config.data.max_anchors,
+        block_size=drafter.block_size,
+        seed=config.data.seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
+    report = {
+        "sources": [
+            {
+                "name": s.source.name,
+                "location": s.source.location,
+                "weight": s.source.weight,
+                "conversations": len(s.conversations),
+                "excluded_eval_prompts": s.num_excluded,
+            }
+            for s in loaded
+        ],
+        "held_out": [c.id for c in held_out_conversations],
+    }
+    return Run(config, workdir, target, target_params, tokenizer, drafter, vocab, mesh, iterator, held_out, report)
+
+
+def initial_state(run: Run, optimizer) -> TrainState:
+    """A fresh train state, placed on the mesh: drafter params (and so the optimiser state) sharded over fsdp."""
+    key = jax.random.key(run.config.train.seed)
+    params = init_from_target(init_drafter(run.drafter, key), run.drafter, run.target_params, run.vocab)
+    params = parallel.shard_params(params, run.mesh, run.target.head_dim, fsdp=True)
+    opt_state = jax.jit(optimizer.init)(params)
+    return TrainState(jnp.int32(0), params, opt_state, jax.random.key_data(jax.random.key(run.config.train.seed)))
+
+
+def global_batch(run: Run, local: dict) -> dict:
+    """This process's rows of a batch -> global arrays, batch split over data x fsdp."""
+    out = {}
+    for key in BATCH_KEYS:
+        value = np.asarray(local[key])
+        shape = (value.shape[0] * jax.process_count(), *value.shape[1:])
+        out[key] = jax.make_array_from_process_local_data(parallel.batch_sharding(run.mesh, shape), value, shape)
+    return out
+
+
+def real_tau(run: Run, params: dict) -> dict:
+    """Greedy draft-and-verify on the held-out prompts with the engine: tau and acceptance by position."""
+    tokens, lengths = pad_batch(run.held_out, pad_id=run.target.eos_token_ids[0])
+    gen = speculative_generate(
+        run.target_params,
+        run.target,
+        params,
+        run.drafter,
+        run.vocab,
+        jnp.asarray(tokens),
+        jnp.asarray(lengths),
+        max_new_tokens=run.config.train.eval_max_new_tokens,
+        eos_ids=run.target.eos_token_ids,
+        pad_id=run.target.eos_token_ids[0],
+    )
+    rates = gen.stats.acceptance_by_position()
+    return {"tau": gen.stats.tau(), **{f"accept_{i + 1}": r for i, r in enumerate(rates) if r == r}}
+
+
+def host_params(params: dict) -> dict:
+    """The full parameter values on this host (gathered from every process when sharded across them)."""
+    if jax.process_count() > 1:
+        return multihost_utils.process_allgather(params, tiled=True)
+    return jax.device_get(params)
+
+
+def export_drafter(run: Run, params: dict) -> None:
+    """Write `workdir/drafter` (replacing the previous export only once the new one is complete)."""
+    params = host_params(params)
+    if jax.process_index() != 0:
+        return
+    final = os.path.join(run.workdir, "drafter")
+    fresh, old = final + ".new", final + ".old"
+    for leftover in (fresh, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    save_drafter(fresh, params, run.drafter, run.vocab)
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(fresh, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def scalars(metrics: dict) -> dict:
+    """Device metrics -> flat host floats (per-slot arrays become name_1 .. name_k)."""
+    out = {}
+    for name, value in jax.device_get(metrics).items():
+        value = np.asarray(value)
+        if value.ndim == 0:
+            out[name] = float(value)
+        else:
+            out.update({f"{name}_{i + 1}": float(v) for i, v in enumerate(value)})
+    return out
+
+
+class MetricsLog:
+    """metrics.jsonl (truncated to the resumed step, so a resumed run's log has each step once) and TensorBoard."""
+
+    def __init__(self, workdir: str, resume_step: int):
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.active = jax.process_index() == 0
+        if not self.active:
+            return
+        kept = []
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+        with open(self.path, "w") as f:
+            f.writelines(kept)
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(workdir)
+
+    def write(self, step: int, values: dict) -> None:
+        if not self.active:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
+        for name, value in values.items():
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.active:
+            self.writer.close()
+
+
+def checkpoint_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
+    return ocp.CheckpointManager(os.path.join(workdir, "checkpoints"), options=options, item_names=("state", "data"))
+
+
+def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """The whole job; returns the last logged metrics (and the last real tau when measured)."""
+    from tqdm import tqdm
+
+    workdir = os.path.abspath(workdir)
+    run = setup(config, workdir)
+    tc = config.train
+    abstract_params = jax.eval_shape(lambda: init_drafter(run.drafter, jax.random.key(0)))
+    optimizer, schedule = make_optimizer(tc, abstract_params, run.drafter)
+    state = initial_state(run, optimizer)
+    manager = checkpoint_manager(workdir, tc.keep_checkpoints)
+    start = manager.latest_step() or 0
+    if start:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        restored = manager.restore(
+            start, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore())
+        )
+        state = restored["state"]
+        run.iterator.set_state(restored["data"])
+        log.info("resumed from step %d", start)
+    weights = recipe_weights(run.drafter.kind, tc.gamma, **tc.loss.to_dict())
+    step_config = StepConfig(run.target, run.drafter, weights, tc.anchors_per_chunk)
+    step_fn = make_train_step(step_config, optimizer, schedule, run.mesh)
+    target_params = parallel.shard_params(run.target_params, run.mesh, run.target.head_dim)
+    metrics_log = MetricsLog(workdir, start)
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "data.json"), "w") as f:
+            json.dump(run.data_report, f, indent=2)
+    last: dict = {}
+    tokens_done, clock = 0, time.perf_counter()
+    bar = tqdm(total=tc.num_steps, initial=start, desc="train", disable=jax.process_index() != 0)
+    for step in range(start + 1, tc.num_steps + 1):
+        local = next(run.iterator)
+        state, metrics = step_fn(state, target_params, run.vocab, global_batch(run, local))
+        tokens_done += int(np.sum(np.asarray(local["doc_ids"]) >= 0)) * jax.process_count()
+        if step % tc.log_every == 0 or step == tc.num_steps:
+            last = scalars(metrics)
+            elapsed = time.perf_counter() - clock
+            last["tokens_per_s"] = tokens_done / elapsed
+            tokens_done, clock = 0, time.perf_counter()
+            if tc.eval_every and (step % tc.eval_every == 0 or step == tc.num_steps) and run.held_out:
+                last.update(real_tau(run, state.params))
+                clock = time.perf_counter()  # the tau check is not training time
+            metrics_log.write(step, last)
+            bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
+        bar.update(1)
+        if step % tc.checkpoint_every == 0 or step == tc.num_steps:
+            manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(run.iterator.get_state())
+                ),
+            )
+            manager.wait_until_finished()
+            export_drafter(run, state.params)
+    bar.close()
+    metrics_log.close()
+    manager.close()
+    return last

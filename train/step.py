@@ -1,0 +1,170 @@
+"""The jitted training step: frozen target forward, many-block drafter forward, loss, optimiser update.
+
+One step on a packed batch (see `train/data.py` for the batch layout):
+
+1. the frozen target runs once over the packed rows `[B, L]` (per-document positions, no attention across
+   documents) under `stop_gradient`; it yields the fused taps (H-Spec's seed, DFlash's injected context),
+   its KV cache (read in place by the drafters' attention) and its last hidden state;
+2. the anchors `[B, A]` are processed in chunks (`lax.map` with rematerialisation, so memory is bounded by
+   one chunk): per chunk, `draft_blocks` drafts all its blocks `[B, A/n, T]`, the target's logits are
+   computed at the block positions only, restricted to the draft vocabulary, and `slot_sums` adds up
+   the loss statistics;
+3. the loss (`train/losses.py`) is differentiated with respect to the drafter's parameters (frozen ones
+   are held by `stop_gradient`) and the optimiser (`train/optim.py`) updates the trainable ones.
+
+The target parameters are an argument of the step, never part of the train state or the checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from hspec_jax import parallel
+from hspec_jax.drafters.api import block_inputs, draft_blocks, seed_hidden_at
+from hspec_jax.drafters.config import DrafterConfig
+from hspec_jax.drafters.dflash import drafter_context
+from hspec_jax.drafters.inputs import DraftInputs
+from hspec_jax.drafters.params import trainable_mask
+from hspec_jax.drafters.vocab import DraftVocab
+from hspec_jax.models.config import TargetConfig
+from hspec_jax.models.decoder import embedding_matrix, forward, output_logits
+from hspec_jax.models.kv_cache import KVCache, init_cache
+from train.losses import LossWeights, loss_from_sums, slot_sums
+
+BATCH_KEYS = ("tokens", "positions", "doc_ids", "loss_mask", "anchors", "anchor_valid")
+
+
+class TrainState(flax.struct.PyTreeNode):
+    """Everything a checkpoint restores (besides the data iterator): the drafter only, never the target."""
+
+    step: jax.Array
+    params: dict
+    opt_state: Any
+    rng: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """The static settings of a step (hashable; part of the compiled program)."""
+
+    target: TargetConfig
+    drafter: DrafterConfig
+    weights: LossWeights
+    anchors_per_chunk: int = 64
+
+
+class TargetFeatures(NamedTuple):
+    fused: jax.Array  # [B, L, F*D] the drafter's taps, concatenated
+    last: jax.Array  # [B, L, D] the last layer's output before the final norm (tap L)
+    cache: KVCache  # every layer's K/V of the packed rows (rows 0 .. L-1)
+
+
+def target_features(target_params: dict, config: StepConfig, tokens: jax.Array, positions: jax.Array):
+    """The frozen target over packed rows: tokens, positions `[B, L]` -> `TargetFeatures` (no gradient)."""
+    target = config.target
+    taps = (*config.drafter.fusion_layer_ids, target.num_layers)
+    batch, length = tokens.shape
+    no_logits = jnp.zeros((batch, 0), jnp.int32)  # logits are computed later, at block positions only
+    out = forward(target_params, target, tokens, init_cache(target, batch, length), taps, no_logits, positions)
+    out = jax.lax.stop_gradient(out)
+    return TargetFeatures(jnp.concatenate(out.hidden[:-1], axis=-1), out.hidden[-1], out.cache)
+
+
+def block_mask(batch: dict, anchors: jax.Array, valid: jax.Array, block_size: int) -> jax.Array:
+    """`[B, A, T]`: slot k >= 1 of the block at anchor a is supervised iff the anchor is valid and token a + k
+    is inside the row, in the anchor's document and supervised (an assistant token)."""
+    length = batch["tokens"].shape[1]
+    rows = jnp.arange(anchors.shape[0])[:, None, None]
+    idx = anchors[..., None] + jnp.arange(block_size)
+    inside = idx < length
+    idx = jnp.minimum(idx, length - 1)
+    same_doc = batch["doc_ids"][rows, idx] == batch["doc_ids"][rows, anchors[..., None]]
+    supervised = batch["loss_mask"][rows, idx].astype(bool)
+    return valid[..., None] & inside & same_doc & supervised & (jnp.arange(block_size) > 0)
+
+
+def chunk_sums(params, target_params, vocab: DraftVocab, config: StepConfig, batch, features, anchors, valid):
+    """Loss statistics (`slot_sums`) of the blocks at `anchors [B, A']` (one chunk)."""
+    drafter = config.drafter
+    t = drafter.block_size
+    tokens, positions = batch["tokens"], batch["positions"]
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    block, prev, _ = block_inputs(tokens, anchors, t, drafter.mask_token_id)
+    batch_size, length = tokens.shape
+    inputs = DraftInputs(
+        embedding=embedding_matrix(target_params),
+        block_tokens=block,
+        anchors=anchors,
+        doc_starts=anchors - positions[rows, anchors],
+        seed_hidden=seed_hidden_at(features.fused, anchors),
+        target_cache=features.cache,
+        context_kv=drafter_context(drafter, batch_size, length),
+        new_context=(features.fused, positions, jnp.zeros((batch_size,), jnp.int32)),
+        prev_tokens=prev,
+    )
+    out = draft_blocks(params, drafter, inputs)
+    # The target's distribution for token a + k comes from its output at row a + k - 1.
+    source_rows = jnp.clip(anchors[..., None] + jnp.arange(t) - 1, 0, length - 1)
+    target_logits = output_logits(target_params, config.target, features.last[rows[..., None], source_rows], vocab.d2t)
+    mask = block_mask(batch, anchors, valid, t)
+    return slot_sums(out.logits, target_logits, mask, config.weights.gamma, out.confidence)
+
+
+def chunked(anchors: jax.Array, valid: jax.Array, per_chunk: int):
+    """anchors, valid `[B, A]` -> `[n, B, per_chunk]` each (A padded with invalid anchors at row 0)."""
+    a = anchors.shape[1]
+    per_chunk = min(per_chunk, a)
+    pad = -a % per_chunk
+    anchors = jnp.pad(anchors, ((0, 0), (0, pad)))
+    valid = jnp.pad(valid, ((0, 0), (0, pad)))
+    split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], -1, per_chunk), 1, 0)
+    return split(anchors), split(valid)
+
+
+def loss_fn(params, target_params, vocab, config: StepConfig, batch, features, frozen_mask):
+    """(loss, metrics) of a batch; parameters outside the trainable mask get no gradient."""
+    params = jax.tree.map(lambda p, train: p if train else jax.lax.stop_gradient(p), params, frozen_mask)
+    body = jax.checkpoint(lambda xs: chunk_sums(params, target_params, vocab, config, batch, features, *xs))
+    sums = jax.lax.map(body, chunked(batch["anchors"], batch["anchor_valid"], config.anchors_per_chunk))
+    return loss_from_sums(jax.tree.map(lambda x: x.sum(0), sums), config.weights)
+
+
+def make_train_step(config: StepConfig, optimizer: optax.GradientTransformation, schedule=None, mesh=None):
+    """A jitted `(state, target_params, vocab, batch) -> (state, metrics)`; the state is donated. With a `mesh`,
+    the target's features are constrained to the batch sharding (rows over data x fsdp)."""
+
+    def step(state: TrainState, target_params, vocab, batch):
+        features = target_features(target_params, config, batch["tokens"], batch["positions"])
+        if mesh is not None:
+            features = jax.tree.map(
+                lambda x: jax.lax.with_sharding_constraint(x, parallel.batch_sharding(mesh, x.shape)), features
+            )
+        mask = trainable_mask(state.params, config.drafter)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (_, metrics), grads = grad_fn(state.params, target_params, vocab, config, batch, features, mask)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        if schedule is not None:
+            metrics["learning_rate"] = schedule(state.step)
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        return new_state, metrics
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+def eval_loss_fn(config: StepConfig):
+    """A jitted `(params, target_params, vocab, batch) -> metrics` without an update (held-out loss)."""
+
+    def evaluate(params, target_params, vocab, batch):
+        features = target_features(target_params, config, batch["tokens"], batch["positions"])
+        mask = trainable_mask(params, config.drafter)
+        return loss_fn(params, target_params, vocab, config, batch, features, mask)[1]
+
+    return jax.jit(evaluate)
