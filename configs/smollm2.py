@@ -31,7 +31,7 @@ HF_CONFIG = {
 
 
 def get_config():
-    return recipe(
+    c = recipe(
         name="HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1, embedded)",
         path="smollm2",
         hf_config=HF_CONFIG,
@@ -43,3 +43,12 @@ def get_config():
         draft_vocab_size=16384,
         markov_rank=64,
     )
+    # Sized for the 2-core CPU machine: 4 packed rows of 1024 tokens and 128 anchors each per step.
+    c.data.seq_len = 1024
+    c.data.max_anchors = 128
+    c.train.batch_size = 4
+    c.train.anchors_per_chunk = 32
+    c.train.num_steps = 3000
+    c.train.checkpoint_every = 50
+    c.train.eval_every = 100
+    return c

@@ -26,8 +26,9 @@ batches = [packed_batch(seed=s, batch=2) for s in range(STEPS)]
 batches = [{k: np.concatenate([b[k]] * 4) for k in BATCH_KEYS} for b in batches]  # 8 rows
 
 results = {}
-for kind in ("hspec", "dspark"):
-    for spec in ("single", "data=8", "fsdp=8", "data=2,fsdp=2,model=2", "fsdp=4,model=2"):
+MESHES = {"hspec": ("single", "fsdp=8", "data=2,fsdp=2,model=2"), "dspark": ("single", "data=2,fsdp=2,model=2")}
+for kind, specs in MESHES.items():
+    for spec in specs:
         drafter, vocab, state, optimizer, schedule = setup_state(kind, target_params)
         mesh = None if spec == "single" else parallel.make_mesh(spec)
         tp = target_params
