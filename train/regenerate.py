@@ -114,7 +114,7 @@ def batches_by_length(conversations: list[Conversation], tokenizer, batch_size: 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     from tqdm import tqdm
 
     try:

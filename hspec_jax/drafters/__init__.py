@@ -14,7 +14,7 @@ from hspec_jax.drafters.heads import Proposal, propose
 from hspec_jax.drafters.hspec import HSpec
 from hspec_jax.drafters.mamba2 import MambaConfig
 from hspec_jax.drafters.output import DraftOutput
-from hspec_jax.drafters.vocab import DraftVocab, build_draft_vocab, full_vocab
+from hspec_jax.drafters.vocab import DraftVocab, build_draft_vocab, draft_vocab_from_counts, full_vocab
 
 __all__ = [
     "DRAFTER_KINDS",
@@ -29,6 +29,7 @@ __all__ = [
     "MambaConfig",
     "Proposal",
     "build_draft_vocab",
+    "draft_vocab_from_counts",
     "draft_block",
     "drafter_config",
     "drafter_module",
