@@ -192,7 +192,8 @@ def test_pipeline_batches_packing_and_anchors(chars):
         for row in range(4):
             doc, pos, mask = batch["doc_ids"][row], batch["positions"][row], batch["loss_mask"][row]
             pad = doc < 0
-            assert np.all(batch["tokens"][row][pad] == chars.pad_token_id) and not mask[pad].any() and not pos[pad].any()
+            assert np.all(batch["tokens"][row][pad] == chars.pad_token_id)
+            assert not mask[pad].any() and not pos[pad].any()
             for d in np.unique(doc[~pad]):
                 where = np.flatnonzero(doc == d)
                 assert np.array_equal(where, np.arange(where[0], where[-1] + 1))  # contiguous
@@ -265,7 +266,8 @@ def test_pipeline_epochs_and_mixture(chars):
 def test_supervised_counts_feed_draft_vocab(chars):
     conversations = [chat(i, turns=2) for i in range(12)]
     counts = supervised_token_counts(conversations, chars, 96)
-    stream = np.concatenate([ids[mask] for ids, mask in (tokenize_conversation(chars, c.messages) for c in conversations)])
+    pairs = [tokenize_conversation(chars, c.messages) for c in conversations]
+    stream = np.concatenate([ids[mask] for ids, mask in pairs])
     np.testing.assert_array_equal(counts, np.bincount(stream, minlength=96))
     assert counts[chars.eos_token_id] == 24  # one end-of-turn per assistant turn
     vocab = draft_vocab_from_counts(counts, 20, always=(2,))
@@ -307,7 +309,8 @@ def test_regenerate_resumes_after_kill(tmp_path):
     import time
 
     source = tmp_path / "chats.jsonl"
-    source.write_text("".join(json.dumps({"id": f"c{i}", "messages": chat(i, turns=2).messages}) + "\n" for i in range(9)))
+    lines = [json.dumps({"id": f"c{i}", "messages": chat(i, turns=2).messages}) + "\n" for i in range(9)]
+    source.write_text("".join(lines))
     out = tmp_path / "regen.jsonl"
     args = ["--target", "tiny", "--sources", f"mine={source}", "--out", str(out), "--batch-size", "2"]
     args += ["--max-new-tokens", "4", "--max-turns", "2", "--shuffle"]
