@@ -357,3 +357,16 @@ def test_synthesize_dedup_min_length_and_resume(tmp_path):
     assert records[:4] == first and [r["id"] for r in records] == [f"synth-0-{i}" for i in range(9)]
     texts = [r["messages"][0]["content"] for r in records]
     assert len({normalize_text(t) for t in texts}) == 9 and min(len(t) for t in texts) >= 3
+
+
+def test_regenerate_skips_repeated_prompts():
+    from train.regenerate import new_prompts
+
+    conversations = [chat(0, turns=2), chat(1), chat(2)]
+    conversations.append(Conversation("3", "test", [{"role": "user", "content": " Q1.0  X!"}]))  # repeats chat(1)
+    conversations.append(Conversation("4", "test", chat(0, turns=2).messages[:2]))  # chat(0)'s first turn only
+    records = [{"id": "2", "messages": chat(2).messages}]
+    todo, repeats = new_prompts(conversations, records, max_turns=None)
+    assert [c.id for c in todo] == ["0", "1", "4"] and repeats == 1
+    todo, repeats = new_prompts(conversations, records, max_turns=1)
+    assert [c.id for c in todo] == ["0", "1"] and repeats == 2
