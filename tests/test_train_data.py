@@ -16,6 +16,7 @@ from train.data import (
     Source,
     exclude_eval_prompts,
     load_conversations,
+    load_mixture,
     parse_sources,
     recover_json_array,
     sharegpt_records,
@@ -125,6 +126,14 @@ def test_local_files_through_datasets(tmp_path, fmt):
     assert load_conversations(source) == [
         Conversation("a", "mine", [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
     ]
+
+
+def test_load_mixture_weights_and_exclusion(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": chat(i).messages}) + "\n" for i in range(5)))
+    (loaded,) = load_mixture(f"{path}:0.5", exclude_texts=["q3.0 xxx"])
+    assert loaded.source == Source("chats", str(path), 0.5) and loaded.num_excluded == 1
+    assert [c.id for c in loaded.conversations] == ["chats:0", "chats:1", "chats:2", "chats:4"]
 
 
 def test_exclude_eval_prompts():

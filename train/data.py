@@ -198,9 +198,21 @@ class LoadedSource:
     num_excluded: int  # conversations dropped because a user turn is an evaluation prompt
 
 
-def load_mixture(spec: str, exclude_texts=()) -> list[LoadedSource]:
-    """Each source of `spec` with its conversations, evaluation prompts excluded (counts logged and returned)."""
-    texts = list(exclude_texts)
+def evaluation_texts() -> list[str]:
+    """Every user turn of the evaluation prompt sets (`eval.prompts.load_prompts("all")`), or nothing (with a
+    warning) while that module is not available."""
+    try:
+        from eval.prompts import load_prompts
+    except ImportError:
+        log.warning("eval.prompts is not available: evaluation prompts are not excluded")
+        return []
+    return [turn for prompt in load_prompts("all") for turn in prompt.turns]
+
+
+def load_mixture(spec: str, exclude_texts=None) -> list[LoadedSource]:
+    """Each source of `spec` with its conversations, without those that contain an evaluation prompt
+    (`exclude_texts`, default `evaluation_texts()`; counts logged and returned)."""
+    texts = evaluation_texts() if exclude_texts is None else list(exclude_texts)
     loaded = []
     for source in parse_sources(spec):
         kept, dropped = exclude_eval_prompts(load_conversations(source), texts)

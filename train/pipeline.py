@@ -170,8 +170,9 @@ def make_train_iterator(
     process_count: int | None = None,
     packing_bins: int = 16,
 ) -> grain.DatasetIterator:
-    """An iterator over this process's batches (see the module docstring); `data` is a source spec, a list of
-    `LoadedSource` (from `train.data.load_mixture`, evaluation prompts excluded there) or of `Conversation`.
+    """An iterator over this process's batches (see the module docstring); `data` is a source spec (loaded by
+    `train.data.load_mixture`, which excludes the evaluation prompts), a list of `LoadedSource` or of
+    `Conversation`.
     Process index and count default to JAX's."""
     if process_index is None or process_count is None:
         import jax

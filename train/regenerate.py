@@ -60,16 +60,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def evaluation_texts() -> list[str]:
-    """Every user turn of the evaluation prompt sets, or nothing when `eval.prompts` is not available."""
-    try:
-        from eval.prompts import load_prompts
-    except ImportError:
-        log.warning("eval.prompts is not available: evaluation prompts are not excluded here")
-        return []
-    return [turn for prompt in load_prompts("all") for turn in prompt.turns]
-
-
 def regenerate_batch(
     conversations: list[Conversation], generator: BatchGenerator, *, max_turns, max_prompt_tokens, rng
 ) -> list[dict]:
@@ -142,7 +132,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     try:
-        loaded = load_mixture(args.sources, evaluation_texts())
+        loaded = load_mixture(args.sources)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
