@@ -17,7 +17,8 @@ from test_train_step import TARGET, packed_batch, setup_state
 from hspec_jax import parallel
 from hspec_jax.models import init_params
 from train.losses import LossWeights
-from train.step import BATCH_KEYS, StepConfig, TrainState, make_train_step
+from train.pipeline import BATCH_KEYS
+from train.step import StepConfig, TrainState, make_train_step
 
 assert jax.device_count() == 8, jax.devices()
 STEPS = 3

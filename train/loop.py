@@ -13,6 +13,7 @@ import os
 import shutil
 import time
 
+import grain
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -28,11 +29,12 @@ from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.config import DrafterConfig
 from hspec_jax.drafters.vocab import DraftVocab, draft_vocab_from_counts, vocab_from_ids
 from hspec_jax.recipes import drafter_from_recipe
-from train import data as train_data
 from train.chat import user_texts
+from train.data import load_mixture
 from train.losses import recipe_weights
 from train.optim import make_optimizer
-from train.step import BATCH_KEYS, StepConfig, TrainState, make_train_step
+from train.pipeline import BATCH_KEYS, make_train_iterator, supervised_token_counts
+from train.step import StepConfig, TrainState, make_train_step
 from train.targets import load_target_and_tokenizer
 
 log = logging.getLogger(__name__)
@@ -55,13 +57,6 @@ class Run:
     data_report: dict
 
 
-def evaluation_texts() -> list[str]:
-    """Every turn of every evaluation prompt (`eval.prompts`): none may appear in training data."""
-    from eval.prompts import load_prompts
-
-    return [turn for prompt in load_prompts() for turn in prompt.turns]
-
-
 def draft_vocabulary(workdir: str, loaded, tokenizer, target, drafter: DrafterConfig) -> DraftVocab:
     """The draft vocabulary: read from the work directory on resume, else built from the supervised tokens
     of the training data (top `draft_vocab_size` by frequency, EOS always kept) and written there."""
@@ -69,7 +64,7 @@ def draft_vocabulary(workdir: str, loaded, tokenizer, target, drafter: DrafterCo
     if os.path.exists(path):
         with np.load(path) as stored:
             return vocab_from_ids(stored["d2t"], target.vocab_size)
-    counts = train_data.supervised_token_counts(loaded, tokenizer, target.vocab_size)
+    counts = supervised_token_counts(loaded, tokenizer, target.vocab_size)
     vocab = draft_vocab_from_counts(counts, drafter.vocab_size, always=target.eos_token_ids)
     if jax.process_index() == 0:
         np.savez(path, d2t=np.asarray(vocab.d2t), t2d=np.asarray(vocab.t2d))
@@ -103,16 +98,16 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
             f"train.batch_size {batch_size} must divide over {jax.process_count()} processes and the "
             f"data x fsdp = {shards} batch shards of mesh {config.mesh!r}"
         )
-    exclude = evaluation_texts() if config.data.exclude_eval_prompts else []
-    loaded = train_data.load_mixture(config.data.sources, exclude)
+    # Conversations containing an evaluation prompt are dropped (`train.data.evaluation_texts`) unless disabled.
+    loaded = load_mixture(config.data.sources, None if config.data.exclude_eval_prompts else [])
     loaded, held_out_conversations = split_held_out(loaded, config.data.held_out_prompts)
     held_out = [chat_prompt_ids(tokenizer, user_texts(c.messages)[0]) for c in held_out_conversations]
     vocab = draft_vocabulary(workdir, loaded, tokenizer, target, drafter)
-    iterator = train_data.make_train_iterator(
+    iterator = make_train_iterator(
         loaded,
         tokenizer,
         seq_len=config.data.seq_len,
-        batch_size=batch_size // jax.process_count(),
+        batch_size=batch_size,
         max_anchors=config.data.max_anchors,
         block_size=drafter.block_size,
         seed=config.data.seed,
@@ -241,8 +236,10 @@ class MetricsLog:
 
 
 def checkpoint_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
+    """Two items per step: `state` (the TrainState pytree) and `data` (the Grain iterator's position)."""
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
-    return ocp.CheckpointManager(os.path.join(workdir, "checkpoints"), options=options, item_names=("state", "data"))
+    handlers = {"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler()}
+    return ocp.CheckpointManager(os.path.join(workdir, "checkpoints"), options=options, item_handlers=handlers)
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -260,10 +257,12 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if start:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         restored = manager.restore(
-            start, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore())
+            start,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(run.iterator)
+            ),
         )
         state = restored["state"]
-        run.iterator.set_state(restored["data"])
         log.info("resumed from step %d", start)
     weights = recipe_weights(run.drafter.kind, tc.gamma, **tc.loss.to_dict())
     step_config = StepConfig(run.target, run.drafter, weights, tc.anchors_per_chunk)
@@ -295,7 +294,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
             manager.save(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(run.iterator.get_state())
+                    state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(run.iterator)
                 ),
             )
             manager.wait_until_finished()

@@ -37,8 +37,6 @@ from hspec_jax.models.decoder import embedding_matrix, forward, output_logits
 from hspec_jax.models.kv_cache import KVCache, init_cache
 from train.losses import LossWeights, loss_from_sums, slot_sums
 
-BATCH_KEYS = ("tokens", "positions", "doc_ids", "loss_mask", "anchors", "anchor_valid")
-
 
 class TrainState(flax.struct.PyTreeNode):
     """Everything a checkpoint restores (besides the data iterator): the drafter only, never the target."""

@@ -15,7 +15,7 @@ from hspec_jax.drafters.hspec import HSpec
 from hspec_jax.drafters.inputs import DraftInputs
 from hspec_jax.drafters.mamba2 import MambaConfig
 from hspec_jax.drafters.output import DraftOutput
-from hspec_jax.drafters.vocab import DraftVocab, build_draft_vocab, full_vocab
+from hspec_jax.drafters.vocab import DraftVocab, build_draft_vocab, draft_vocab_from_counts, full_vocab
 
 __all__ = [
     "DRAFTER_KINDS",
@@ -33,6 +33,7 @@ __all__ = [
     "build_draft_vocab",
     "draft_block",
     "draft_blocks",
+    "draft_vocab_from_counts",
     "drafter_config",
     "drafter_module",
     "empty_context",

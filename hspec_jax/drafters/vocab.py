@@ -42,11 +42,13 @@ def build_draft_vocab(token_stream, target_vocab_size: int, draft_vocab_size: in
     """The `draft_vocab_size` most frequent ids of `token_stream` (ties: lower id first), plus `always`
     (e.g. EOS, which must stay draftable). If the stream has too few distinct ids, the lowest unused ids fill up."""
     counts = np.bincount(np.asarray(token_stream, np.int64).ravel(), minlength=target_vocab_size)
+    if counts.shape[0] > target_vocab_size:
+        raise ValueError(f"token ids must be below the target vocabulary size {target_vocab_size}")
     return draft_vocab_from_counts(counts, draft_vocab_size, always)
 
 
 def draft_vocab_from_counts(counts, draft_vocab_size: int, always=()) -> DraftVocab:
-    """The `draft_vocab_size` ids with the largest `counts [V]` (ties: lower id first), plus `always`."""
+    """As `build_draft_vocab`, from per-token counts `[V]` (e.g. the supervised tokens of a training set)."""
     counts = np.asarray(counts, np.float64).copy()
     target_vocab_size = counts.shape[0]
     if not 0 < draft_vocab_size <= target_vocab_size:

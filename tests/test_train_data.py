@@ -1,0 +1,388 @@
+"""Training data: sources and their spec, evaluation-prompt exclusion, chat loss masks, the character tokenizer,
+the Grain pipeline (packing, anchors, exact resume, process shards) and the draft vocabulary from counts."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hspec_jax.drafters import build_draft_vocab, draft_vocab_from_counts
+from train.chat import normalize_text, to_messages, tokenize_conversation
+from train.data import (
+    Conversation,
+    LoadedSource,
+    Source,
+    exclude_eval_prompts,
+    load_conversations,
+    load_mixture,
+    parse_sources,
+    recover_json_array,
+    sharegpt_records,
+)
+from train.jsonl import JsonlAppender
+from train.pipeline import (
+    BATCH_KEYS,
+    anchor_candidates,
+    document,
+    make_train_iterator,
+    supervised_token_counts,
+)
+from train.tokenizers import char_tokenizer
+
+TINY = dict(seq_len=96, batch_size=4, max_anchors=8, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def chars():
+    return char_tokenizer()
+
+
+def chat(i: int, turns: int = 1, tag: str = "q") -> Conversation:
+    """A distinct small conversation (contents depend on i and start with `tag`)."""
+    messages = []
+    for t in range(turns):
+        messages += [
+            {"role": "user", "content": f"{tag}{i}.{t} " + "x" * (i % 5)},
+            {"role": "assistant", "content": f"a{i}.{t} " + "y" * (i % 11)},
+        ]
+    return Conversation(str(i), "test", messages)
+
+
+def test_normalize_text():
+    assert normalize_text("  Hello,\n\t World!! ") == "hello, world"
+    assert normalize_text("ＨＥＬＬＯ  world") == "hello world"  # NFKC folds full-width letters
+    assert normalize_text("«Straße?»") == "strasse"  # casefold; quotes are punctuation edges
+    assert normalize_text("...") == ""
+
+
+def test_to_messages_forms_and_cleaning():
+    sharegpt = {"conversations": [{"from": "gpt", "value": "orphan"}, {"from": "human", "value": "hi"}]}
+    sharegpt["conversations"] += [{"from": "gpt", "value": "hello"}, {"from": "bing", "value": " "}]
+    assert to_messages(sharegpt) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    openai = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "u"}]}
+    assert to_messages(openai) == openai["messages"]
+    assert to_messages({"messages": [{"role": "assistant", "content": "no user"}]}) is None
+    with pytest.raises(ValueError, match="neither"):
+        to_messages({"text": "x"})
+
+
+def test_parse_sources_grammar_and_errors():
+    sources = parse_sources("sharegpt:0.6, synth=/d/magpie.jsonl:0.4,/d/chat.parquet,hf:org/set@train_sft:2")
+    assert sources == [
+        Source("sharegpt", "sharegpt", 0.6),
+        Source("synth", "/d/magpie.jsonl", 0.4),
+        Source("chat", "/d/chat.parquet", 1.0),
+        Source("set", "hf:org/set@train_sft", 2.0),
+    ]
+    for spec, message in [
+        ("", "empty"),
+        ("sharegpt,,a.json", "empty entry"),
+        ("sharegpt:0", "positive"),
+        ("sharegpt:-1", "positive"),
+        ("data.csv", "not 'sharegpt'"),
+        ("a b=x.json", "source name"),
+        ("a.json,a.jsonl", "distinct"),
+        ("hf:bad name", "hf:OWNER"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_sources(spec)
+
+
+def test_recover_json_array_cut_anywhere():
+    records = [{"id": i, "text": "é" * i} for i in range(4)]
+    data = json.dumps(records, indent=2, ensure_ascii=False).encode()
+    assert recover_json_array(data) == (records, 0)
+    cut = data[: data.index(b'"id": 3')]  # inside the fourth record
+    got, dropped = recover_json_array(cut)
+    assert got == records[:3]
+    assert cut[: len(cut) - dropped].rstrip().endswith(b"}") and dropped > 0
+
+
+def test_sharegpt_package_records():
+    records = sharegpt_records()
+    assert len(records) == 17671
+    assert all("conversations" in r and "id" in r for r in records[:100] + records[-100:])
+
+
+@pytest.mark.parametrize("fmt", ["json", "jsonl", "parquet"])
+def test_local_files_through_datasets(tmp_path, fmt):
+    records = [
+        {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "no user turn"}]},
+    ]
+    path = tmp_path / f"chats.{fmt}"
+    if fmt == "json":
+        path.write_text(json.dumps(records))
+    elif fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(records), path)
+    (source,) = parse_sources(f"mine={path}:2")
+    assert load_conversations(source) == [
+        Conversation("a", "mine", [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+    ]
+
+
+def test_load_mixture_weights_and_exclusion(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": chat(i).messages}) + "\n" for i in range(5)))
+    (loaded,) = load_mixture(f"{path}:0.5", exclude_texts=["q3.0 xxx"])
+    assert loaded.source == Source("chats", str(path), 0.5) and loaded.num_excluded == 1
+    assert [c.id for c in loaded.conversations] == ["chats:0", "chats:1", "chats:2", "chats:4"]
+
+
+def test_exclude_eval_prompts():
+    conversations = [chat(0), chat(1, turns=2), chat(2)]
+    texts = ["  Q1.1 X ", "unrelated prompt"]  # matches the second user turn of chat(1) after normalisation
+    kept, dropped = exclude_eval_prompts(conversations, texts)
+    assert [c.id for c in kept] == ["0", "2"] and dropped == 1
+
+
+def assert_assistant_supervision(tokenizer, messages, end_of_turn_text):
+    ids, mask = tokenize_conversation(tokenizer, messages)
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(int), [0]])))
+    got = [tokenizer.decode(ids[a:b]) for a, b in zip(spans[::2], spans[1::2], strict=True)]
+    assert got == [m["content"] + end_of_turn_text for m in messages if m["role"] == "assistant"]
+    return ids, mask
+
+
+MULTI_TURN = [
+    {"role": "user", "content": "Name a prime."},
+    {"role": "assistant", "content": "7 is prime.\n\n  Also 11."},
+    {"role": "user", "content": "And an even one?"},
+    {"role": "assistant", "content": " 2, the only one."},
+]
+
+
+def test_char_tokenizer_fits_tiny_and_masks(chars):
+    from configs.tiny import get_config
+
+    tiny = get_config()
+    assert len(chars) == 96 == tiny.target.hf_config["vocab_size"]
+    assert (chars.bos_token_id, chars.eos_token_id) == (tiny.target.hf_config["bos_token_id"], 2)
+    assert chars.mask_token_id == tiny.drafter.mask_token_id == 3 and chars.pad_token_id == 2
+    text = "Hi!\n  (x + y) = {z} ~ é"
+    ids = chars(text, add_special_tokens=False)["input_ids"]
+    assert max(ids) < 96 and len(ids) == len(text) and ids.count(chars.unk_token_id) == 2
+    ids, mask = assert_assistant_supervision(chars, MULTI_TURN, "<|im_end|>")
+    assert ids.max() < 96 and ids[np.flatnonzero(mask)[-1] + 1] == chars.convert_tokens_to_ids("\n")
+
+
+@pytest.mark.slow
+def test_smollm2_loss_mask(smollm2_tokenizer):
+    """Supervised: each assistant content + <|im_end|>; not the template's newline after it nor any prompt."""
+    tok = smollm2_tokenizer
+    ids, mask = assert_assistant_supervision(tok, MULTI_TURN, "<|im_end|>")
+    newline = tok.encode("\n", add_special_tokens=False)
+    assert ids[-1] == newline[-1] and not mask[-1] and ids[-2] == tok.eos_token_id and mask[-2]
+    system = [{"role": "system", "content": "Be brief."}, *MULTI_TURN[:2]]
+    assert_assistant_supervision(tok, system, "<|im_end|>")
+
+
+def batches(iterator, n):
+    return [next(iterator) for _ in range(n)]
+
+
+def test_pipeline_batches_packing_and_anchors(chars):
+    conversations = [chat(i, turns=1 + i % 2) for i in range(40)]
+    documents = {tuple(document(chars, c.messages, TINY["seq_len"])["tokens"]) for c in conversations}
+    it = make_train_iterator(conversations, chars, seed=3, process_index=0, process_count=1, **TINY)
+    for batch in batches(it, 5):
+        assert sorted(batch) == sorted(BATCH_KEYS)
+        assert batch["tokens"].shape == batch["doc_ids"].shape == (4, 96) and batch["anchors"].shape == (4, 8)
+        assert batch["tokens"].dtype == batch["positions"].dtype == batch["anchors"].dtype == np.int32
+        assert batch["loss_mask"].dtype == batch["anchor_valid"].dtype == bool
+        for row in range(4):
+            doc, pos, mask = batch["doc_ids"][row], batch["positions"][row], batch["loss_mask"][row]
+            pad = doc < 0
+            assert np.all(batch["tokens"][row][pad] == chars.pad_token_id)
+            assert not mask[pad].any() and not pos[pad].any()
+            for d in np.unique(doc[~pad]):
+                where = np.flatnonzero(doc == d)
+                assert np.array_equal(where, np.arange(where[0], where[-1] + 1))  # contiguous
+                assert np.array_equal(pos[where], np.arange(len(where)))
+                assert tuple(batch["tokens"][row][where]) in documents  # exactly one whole document
+            anchors, valid = batch["anchors"][row], batch["anchor_valid"][row]
+            candidates = set(anchor_candidates(mask, doc, TINY["block_size"]).tolist())
+            chosen = anchors[valid]
+            assert np.all(np.diff(chosen) > 0) and set(chosen.tolist()) <= candidates
+            assert valid.sum() == min(8, len(candidates)) and np.all(anchors[~valid] == 0)
+            assert np.all(valid[: valid.sum()])
+            for a in chosen:
+                assert a >= 1 and a < 96 - TINY["block_size"] and mask[a] and mask[a + 1] and doc[a] == doc[a + 1]
+
+
+def test_anchor_candidates_rules():
+    mask = np.array([1, 1, 1, 0, 1, 1, 1, 1, 1, 1], bool)
+    doc = np.array([0, 0, 0, 0, 1, 1, 1, 2, 2, -1])
+    # index 0 excluded, 2 (next unsupervised), 6 (next in another document), >= 10 - 3 excluded.
+    assert anchor_candidates(mask, doc, block_size=3).tolist() == [1, 4, 5]
+
+
+def test_pipeline_resume_determinism_and_shards(chars):
+    conversations = [chat(i) for i in range(30)]
+    kw = dict(process_index=0, process_count=1, **TINY)
+    it = make_train_iterator(conversations, chars, seed=5, **kw)
+    batches(it, 3)
+    state = json.loads(json.dumps(it.get_state()))  # JSON round trip, as the Orbax handler stores it
+    expected = batches(it, 12)  # past the end of the first epoch (30 documents)
+    restored = make_train_iterator(conversations, chars, seed=5, **kw)
+    restored.set_state(state)
+    for a, b in zip(expected, batches(restored, 12), strict=True):
+        for key in BATCH_KEYS:
+            np.testing.assert_array_equal(a[key], b[key])
+    fresh = batches(make_train_iterator(conversations, chars, seed=5, **kw), 4)
+    other = batches(make_train_iterator(conversations, chars, seed=6, **kw), 4)
+    again = batches(make_train_iterator(conversations, chars, seed=5, **kw), 4)
+    assert all(np.array_equal(a["tokens"], b["tokens"]) for a, b in zip(fresh, again, strict=True))
+    assert not all(np.array_equal(a["tokens"], b["tokens"]) for a, b in zip(fresh, other, strict=True))
+    shards = [
+        batches(make_train_iterator(conversations, chars, seed=5, **{**kw, "process_index": p, "process_count": 2}), 4)
+        for p in range(2)
+    ]
+    for whole, first, second in zip(fresh, *shards, strict=True):
+        for key in BATCH_KEYS:
+            np.testing.assert_array_equal(whole[key], np.concatenate([first[key], second[key]]))
+
+
+def test_pipeline_epochs_and_mixture(chars):
+    conversations = [chat(i) for i in range(24)]
+    seen = []
+    for batch in make_train_iterator(conversations, chars, num_epochs=1, process_index=0, process_count=1, **TINY):
+        seen += [tuple(batch["tokens"][r][batch["doc_ids"][r] == d]) for r in range(4) for d in range(8)]
+    seen = [s for s in seen if s]
+    assert len(seen) == len(set(seen)) and len(seen) > 12  # one pass: nothing twice, the last partial batch dropped
+    a = LoadedSource(Source("a", "memory", 3.0), [chat(i) for i in range(10)], 0)
+    b = LoadedSource(Source("b", "memory", 1.0), [chat(i, tag="B") for i in range(10)], 0)
+    it = make_train_iterator([a, b], chars, process_index=0, process_count=1, **TINY)
+    users = [
+        chars.decode(batch["tokens"][r][batch["doc_ids"][r] == d])
+        for batch in batches(it, 10)
+        for r in range(4)
+        for d in range(8)
+    ]
+    from_a, from_b = sum("user\nq" in u for u in users), sum("user\nB" in u for u in users)
+    assert from_a + from_b == sum(bool(u) for u in users) > 60
+    assert 2.5 < from_a / from_b < 3.5
+
+
+def test_supervised_counts_feed_draft_vocab(chars):
+    conversations = [chat(i, turns=2) for i in range(12)]
+    counts = supervised_token_counts(conversations, chars, 96)
+    pairs = [tokenize_conversation(chars, c.messages) for c in conversations]
+    stream = np.concatenate([ids[mask] for ids, mask in pairs])
+    np.testing.assert_array_equal(counts, np.bincount(stream, minlength=96))
+    assert counts[chars.eos_token_id] == 24  # one end-of-turn per assistant turn
+    vocab = draft_vocab_from_counts(counts, 20, always=(2,))
+    expected = build_draft_vocab(stream, 96, 20, always=(2,))
+    np.testing.assert_array_equal(vocab.d2t, expected.d2t)
+
+
+def test_jsonl_appender_cuts_partial_line(tmp_path):
+    path = str(tmp_path / "out.jsonl")
+    with JsonlAppender(path) as out:
+        out.append([{"id": 1}, {"id": 2}])
+    with open(path, "ab") as f:
+        f.write(b'{"id": 3, "mess')  # a write cut by kill -9
+    with JsonlAppender(path) as out:
+        assert out.records == [{"id": 1}, {"id": 2}] and out.cut_bytes == 15
+        out.append([{"id": 3}])
+    with open(path) as f:
+        assert [json.loads(line) for line in f] == [{"id": 1}, {"id": 2}, {"id": 3}]
+
+
+def run_tool(module: str, *args: str):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, "-m", module, *args], env=env, stderr=subprocess.PIPE, text=True)
+
+
+def read_jsonl(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_regenerate_resumes_after_kill(tmp_path):
+    """kill -9 mid-run, then a partial last line on top: the rerun keeps what was written, cuts the partial line,
+    and answers every remaining conversation exactly once, turn by turn."""
+    import signal
+    import time
+
+    source = tmp_path / "chats.jsonl"
+    asked = {i: [f"u{i}", f"v{i}"] for i in range(9)}  # short: every prompt fits one shape bucket (one compile)
+    lines = [
+        {
+            "id": f"c{i}",
+            "messages": [{"role": r, "content": t} for u in asked[i] for r, t in (("user", u), ("assistant", "x"))],
+        }
+        for i in range(9)
+    ]
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "regen.jsonl"
+    args = ["--target", "tiny", "--sources", f"mine={source}", "--out", str(out), "--batch-size", "2"]
+    args += ["--max-new-tokens", "4", "--max-turns", "2", "--shuffle"]
+    first = run_tool("train.regenerate", *args)
+    deadline = time.time() + 120
+    while not (out.exists() and out.read_text().count("\n") >= 2) and first.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    written = read_jsonl(out)
+    assert 2 <= len(written) < 9
+    with open(out, "ab") as f:
+        f.write(b'{"id": "c8", "source": "mi')
+    from train.regenerate import main
+
+    assert main(args) == 0
+    records = read_jsonl(out)
+    assert records[: len(written)] == written
+    assert sorted(r["id"] for r in records) == [f"c{i}" for i in range(9)]
+    for r in records:
+        i = int(r["id"][1:])
+        assert [m["role"] for m in r["messages"]] == ["user", "assistant"] * 2
+        assert [m["content"] for m in r["messages"][::2]] == asked[i]
+        assert r["source"] == "mine" and isinstance(r["complete"], bool)
+
+
+def test_synthesize_dedup_min_length_and_resume(tmp_path):
+    from train.synthesize import accepted, main, user_turn_prefix
+
+    seen = {"hello"}
+    assert accepted(["Hello!", "a new one", "A  NEW one.", "tiny", "another"], seen, min_length=5) == [
+        "a new one",
+        "another",
+    ]
+    assert user_turn_prefix(char_tokenizer()) == char_tokenizer()("<|im_start|>user\n")["input_ids"]
+    out = tmp_path / "synth.jsonl"
+    args = ["--target", "tiny", "--out", str(out), "--batch-size", "8", "--max-new-tokens", "32", "--min-length", "3"]
+    assert main([*args, "--num", "4"]) == 0
+    first = read_jsonl(out)
+    with open(out, "ab") as f:
+        f.write(b'{"id": "synth-0-4", "mess')
+    assert main([*args, "--num", "9"]) == 0
+    records = read_jsonl(out)
+    assert records[:4] == first and [r["id"] for r in records] == [f"synth-0-{i}" for i in range(9)]
+    texts = [r["messages"][0]["content"] for r in records]
+    assert len({normalize_text(t) for t in texts}) == 9 and min(len(t) for t in texts) >= 3
+
+
+def test_regenerate_skips_repeated_prompts():
+    from train.regenerate import new_prompts
+
+    conversations = [chat(0, turns=2), chat(1), chat(2)]
+    conversations.append(Conversation("3", "test", [{"role": "user", "content": " Q1.0  X!"}]))  # repeats chat(1)
+    conversations.append(Conversation("4", "test", chat(0, turns=2).messages[:2]))  # chat(0)'s first turn only
+    records = [{"id": "2", "messages": chat(2).messages}]
+    todo, repeats = new_prompts(conversations, records, max_turns=None)
+    assert [c.id for c in todo] == ["0", "1", "4"] and repeats == 1
+    todo, repeats = new_prompts(conversations, records, max_turns=1)
+    assert [c.id for c in todo] == ["0", "1"] and repeats == 2

@@ -1,0 +1,58 @@
+"""An append-only JSONL file that survives being killed at any moment (the output of the data tools).
+
+Records are appended as complete lines in one write, then flushed and fsynced. Opening an existing file keeps
+every complete line and cuts a partial last line (a write interrupted by kill -9 or a power loss), so a rerun
+continues after the last complete record and never writes a record twice or half.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+class JsonlAppender:
+    """`records` holds what the file already had; `append` adds complete lines durably."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.records: list[dict] = []
+        self.cut_bytes = 0
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                data = f.read()
+            keep = data.rfind(b"\n") + 1
+            self.cut_bytes = len(data) - keep
+            if self.cut_bytes:
+                log.warning("%s: cutting a partial last line of %d bytes", path, self.cut_bytes)
+                with open(path, "r+b") as f:
+                    f.truncate(keep)
+                    os.fsync(f.fileno())
+            for number, line in enumerate(data[:keep].decode("utf-8").splitlines(), 1):
+                try:
+                    self.records.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{number} is not a JSON record ({e}); not a file of this tool?") from e
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._file = open(path, "ab")  # noqa: SIM115 (held open across appends, closed by close())
+
+    def append(self, records: list[dict]) -> None:
+        if not records:
+            return
+        self._file.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self.records.extend(records)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
