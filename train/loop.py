@@ -7,6 +7,7 @@ layout); the pieces below are small so a researcher can reuse them in their own 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -57,18 +58,30 @@ class Run:
     data_report: dict
 
 
-def draft_vocabulary(workdir: str, loaded, tokenizer, target, drafter: DrafterConfig) -> DraftVocab:
-    """The draft vocabulary: read from the work directory on resume, else built from the supervised tokens
-    of the training data (top `draft_vocab_size` by frequency, EOS always kept) and written there."""
+def draft_vocabulary(workdir: str, loaded, tokenizer, target, drafter: DrafterConfig):
+    """(draft vocabulary, supervised token counts `[V]`): read from the work directory on resume, else built
+    from the supervised tokens of the training data (top `draft_vocab_size` by frequency, EOS always kept)
+    and written there by process 0 (every process computes the same)."""
     path = os.path.join(workdir, "vocab.npz")
     if os.path.exists(path):
         with np.load(path) as stored:
-            return vocab_from_ids(stored["d2t"], target.vocab_size)
+            return vocab_from_ids(stored["d2t"], target.vocab_size), stored["supervised_counts"]
     counts = supervised_token_counts(loaded, tokenizer, target.vocab_size)
     vocab = draft_vocab_from_counts(counts, drafter.vocab_size, always=target.eos_token_ids)
     if jax.process_index() == 0:
-        np.savez(path, d2t=np.asarray(vocab.d2t), t2d=np.asarray(vocab.t2d))
-    return vocab
+        np.savez(path, d2t=np.asarray(vocab.d2t), t2d=np.asarray(vocab.t2d), supervised_counts=counts)
+    return vocab, counts
+
+
+def file_sha256(location: str) -> str | None:
+    """sha256 of a local data file (None for the packaged ShareGPT set and hub datasets)."""
+    if not os.path.isfile(location):
+        return None
+    digest = hashlib.sha256()
+    with open(location, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def split_held_out(loaded, count: int):
@@ -102,7 +115,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
     loaded = load_mixture(config.data.sources, None if config.data.exclude_eval_prompts else [])
     loaded, held_out_conversations = split_held_out(loaded, config.data.held_out_prompts)
     held_out = [chat_prompt_ids(tokenizer, user_texts(c.messages)[0]) for c in held_out_conversations]
-    vocab = draft_vocabulary(workdir, loaded, tokenizer, target, drafter)
+    vocab, supervised = draft_vocabulary(workdir, loaded, tokenizer, target, drafter)
     iterator = make_train_iterator(
         loaded,
         tokenizer,
@@ -126,6 +139,8 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
             for s in loaded
         ],
         "held_out": [c.id for c in held_out_conversations],
+        "supervised_tokens": int(supervised.sum()),
+        "draft_vocab_coverage": float(supervised[np.asarray(vocab.d2t)].sum() / max(supervised.sum(), 1)),
     }
     return Run(config, workdir, target, target_params, tokenizer, drafter, vocab, mesh, iterator, held_out, report)
 

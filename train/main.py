@@ -43,6 +43,9 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv) -> int:
     del argv
     import jax
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
 
     if FLAGS.coordinator:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
