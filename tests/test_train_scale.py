@@ -23,5 +23,5 @@ def test_sharded_training_equals_one_device():
         assert single[-1] < single[0]
         for spec in specs:
             np.testing.assert_allclose(results[f"{kind} {spec}"]["losses"], single, rtol=2e-4, err_msg=spec)
-    assert results["hspec fsdp=8"]["fc_sharding"] == "PartitionSpec('fsdp', None)"
-    assert results["hspec data=2,fsdp=2,model=2"]["batch_sharding"] == "PartitionSpec(('data', 'fsdp'), None)"
+    assert results["hspec fsdp=8"]["fc_sharding"] == "P('fsdp',)"
+    assert results["hspec data=2,fsdp=2,model=2"]["batch_sharding"] == "P(('data', 'fsdp'), None)"
