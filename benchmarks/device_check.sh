@@ -8,7 +8,7 @@
 #    index. Then any package still missing is tried from the index, and if jax sees no accelerator,
 #    `pip install -U "jax[cuda12]"` is tried (jax 0.10.2 has jax-cuda12-plugin and jax-cuda13-plugin
 #    wheels). Each install has a time limit; a failed one is reported and the check goes on.
-# 2. Runs `python -m benchmarks.device_check` under a time limit (DEVICE_CHECK_TIMEOUT, default 470 s):
+# 2. Runs `python -m benchmarks.device_check` under a time limit (DEVICE_CHECK_TIMEOUT, default 480 s):
 #    each section in its own process, the report rewritten after each one, failures recorded in it.
 # With --small (tiny shapes, on CPU, run by the tests) nothing is installed.
 set -uo pipefail
@@ -31,13 +31,13 @@ EOF
 )
   if [[ -n "$missing" ]]; then
     echo "== missing: $missing; trying pip (300 s limit)"
-    timeout 300 "$PY" -m pip install -q $missing || echo "!! could not install: $missing"
+    timeout 300 "$PY" -m pip install -q --retries 1 --timeout 15 $missing || echo "!! could not install: $missing"
   fi
   if ! "$PY" -c "import jax, sys; sys.exit(jax.default_backend() == 'cpu')" 2>/dev/null; then
     echo "== jax sees no accelerator here; trying pip install -U 'jax[cuda12]' (300 s limit)"
-    timeout 300 "$PY" -m pip install -q -U "jax[cuda12]" || echo "!! could not install jax[cuda12]"
+    timeout 300 "$PY" -m pip install -q --retries 1 --timeout 15 -U "jax[cuda12]" || echo "!! could not install jax[cuda12]"
   fi
 fi
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-timeout "${DEVICE_CHECK_TIMEOUT:-470}" "$PY" -m benchmarks.device_check "$@"
+timeout "${DEVICE_CHECK_TIMEOUT:-480}" "$PY" -m benchmarks.device_check "$@"

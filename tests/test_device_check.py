@@ -25,7 +25,7 @@ def test_small_run_writes_every_section(tmp_path):
     assert "jax==" in report
     assert "| tiny (6, 2, 16) | 40 | 2 |" in report
     assert "**Kernel matched the reference at every shape** on `cpu`" in report
-    assert "| T_T(1) |" in report and "T_D(7) hspec, kernel attention" in report
+    assert "### drafters with reference attention" in report and "| T_D(7) hspec |" in report
     assert "FAILED" not in report
 
 
@@ -35,3 +35,8 @@ def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path):
     )
     assert report.count("**FAILED**") == 2  # both attempts recorded, with jax's own error text
     assert "no_such_platform" in report
+
+
+def test_sections_past_the_budget_are_reported_as_not_run(tmp_path):
+    report = run_check(tmp_path / "device.md", "--sections", "environment,kernel", "--budget", "1")
+    assert report.count("**NOT RUN**") == 2

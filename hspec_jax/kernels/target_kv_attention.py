@@ -269,7 +269,7 @@ def gpu_context_attention(q_rows, k_ctx, v_ctx, lo, hi, *, chunk: int | None = N
 
 
 def tpu_rows(t: int, group: int, dtype) -> int:
-    """Query rows of the TPU tile: T*G rounded up to whole sublane tiles (8 rows fp32, 16 bf16)."""
+    """Query rows per KV head of the TPU tile: T*G rounded up to whole sublane tiles (8 rows fp32, 16 bf16)."""
     sublanes = 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
     return -(-t * group // sublanes) * sublanes
 
@@ -277,6 +277,21 @@ def tpu_rows(t: int, group: int, dtype) -> int:
 def tpu_heads_per_block(kv_heads: int, head_dim: int) -> int:
     """KV heads per context tile: the fewest whose lanes (heads * H) are a multiple of 128, else all K."""
     return next((d for d in range(1, kv_heads + 1) if kv_heads % d == 0 and d * head_dim % LANES == 0), kv_heads)
+
+
+def _block_diagonal(q_rows, heads: int):
+    """`[B, A, K, R, H]` -> `[B, A, K/hb, hb*R, hb*H]`: head j's rows carry its queries in lanes j*H.. and zeros
+    elsewhere, so one dot with a context tile `[C, hb*H]` gives every head's scores against its own keys."""
+    b, a, kv_heads, r, h = q_rows.shape
+    x = q_rows.reshape(b, a, kv_heads // heads, heads, r, 1, h) * jnp.eye(heads, dtype=q_rows.dtype)[:, None, :, None]
+    return x.reshape(b, a, kv_heads // heads, heads * r, heads * h)
+
+
+def _diagonal_blocks(x, heads: int):
+    """`[B, A, P, K/hb, hb*R, hb*H]` -> `[B, A, P, K, R, H]`: each head's rows against its own lanes."""
+    b, a, p, groups, rows, lanes = x.shape
+    x = x.reshape(b, a, p, groups, heads, rows // heads, heads, lanes // heads)
+    return jnp.einsum("bapgjrjh->bapgjrh", x).reshape(b, a, p, groups * heads, rows // heads, lanes // heads)
 
 
 def _tpu_kernel(
@@ -296,9 +311,8 @@ def _tpu_kernel(
     num_blocks: int,
     scale: float,
 ):
-    """One grid step (sequence, block, head group, split, chunk): q `[hb, R, H]`, context K/V tiles `[C, hb*H]`;
-    running statistics live in VMEM scratch across the split's chunks (the last grid axis)."""
-    heads, r, h = q_ref.shape
+    """One grid step (sequence, block, head group, split, chunk): block-diagonal q `[hb*R, hb*H]`, context K/V
+    tiles `[C, hb*H]`; the running statistics live in VMEM scratch across the split's chunks (last grid axis)."""
     i = pl.program_id(0) * num_blocks + pl.program_id(1)
     lo, hi = lo_ref[i], hi_ref[i]
     c = pl.program_id(4)
@@ -314,24 +328,20 @@ def _tpu_kernel(
     def _step():
         rows = start + jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
         cols = start + jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
-        row_ok = (rows >= lo) & (rows < hi)
-        visible = (cols >= lo) & (cols < hi)
-        for j in range(heads):
-            lanes = slice(j * h, (j + 1) * h)
-            v = jnp.where(row_ok, vc_ref[:, lanes], 0)  # a last partial tile holds garbage past S
-            m, denom, acc = _online_update(
-                m_ref[j][:, :1], denom_ref[j][:, :1], acc_ref[j], _scores(q_ref[j], kc_ref[:, lanes], scale), visible, v
-            )
-            m_ref[j] = jnp.broadcast_to(m, (r, LANES))
-            denom_ref[j] = jnp.broadcast_to(denom, (r, LANES))
-            acc_ref[j] = acc
+        v = jnp.where((rows >= lo) & (rows < hi), vc_ref[...], 0)  # a last partial tile holds garbage past S
+        scores = _scores(q_ref[...], kc_ref[...], scale)
+        m, denom, acc = _online_update(
+            m_ref[:, :1], denom_ref[:, :1], acc_ref[...], scores, (cols >= lo) & (cols < hi), v
+        )
+        m_ref[...] = jnp.broadcast_to(m, m_ref.shape)
+        denom_ref[...] = jnp.broadcast_to(denom, denom_ref.shape)
+        acc_ref[...] = acc
 
     @pl.when(c == per_split - 1)
     def _write():
-        for j in range(heads):
-            o, lse = _finish(m_ref[j][:, :1], denom_ref[j][:, :1], acc_ref[j])
-            o_ref[j] = o
-            lse_ref[j] = jnp.broadcast_to(lse, (r, LANES))
+        o, lse = _finish(m_ref[:, :1], denom_ref[:, :1], acc_ref[...])
+        o_ref[...] = o
+        lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
 
 
 def tpu_context_attention(q_rows, k_ctx, v_ctx, lo, hi, *, chunk: int | None = None, splits=None, interpret=False):
@@ -339,12 +349,14 @@ def tpu_context_attention(q_rows, k_ctx, v_ctx, lo, hi, *, chunk: int | None = N
 
     Block-shape rules (Mosaic: the last two dims of every block divisible by (8, 128) or equal to the array's):
     the cache is viewed as `[B, S, K*H]` (a free reshape, no copy) and tiled `[C, hb*H]`, with hb =
-    `tpu_heads_per_block` (hb*H a multiple of 128, or all K heads); C = `TPU_CHUNK` (a multiple of 16), or S
-    when S is smaller; a last partial tile is masked. Queries `[hb, R, H]` with R = `tpu_rows` (whole sublane
-    tiles). Softmax statistics are lane-replicated `[R, 128]`. anchors' visible range (lo, hi) is scalar-
-    prefetched into SMEM; the context tile's index map clamps to the visible chunks, so chunks outside
-    [lo, hi) are never copied from HBM (the pipeline skips a copy whose block index repeats). Grid
-    (B, A, K/hb, P, chunks per split), the last axis sequential ("arbitrary").
+    `tpu_heads_per_block` (hb*H a multiple of 128, else all K heads: 1 for H = 128, 3 for SmolLM2's 3 x 64);
+    C = `TPU_CHUNK` (a multiple of 16) or S when S is smaller; a last partial tile is masked. The hb heads'
+    queries form one block-diagonal tile `[hb*R, hb*H]` (R = `tpu_rows`, whole sublane tiles), so the kernel
+    does two plain 2-D dots per step and never slices lanes; its output's diagonal blocks are the result.
+    Softmax statistics are lane-replicated `[hb*R, 128]`. The visible ranges (lo, hi) are scalar-prefetched
+    into SMEM; the context tiles' index map clamps to the visible chunks, so chunks outside [lo, hi) are never
+    copied from HBM (the pipeline skips a copy whose block index repeats). Grid (B, A, K/hb, P, chunks per
+    split), the last axis sequential ("arbitrary"), the others parallel.
     """
     b, a, kv_heads, r, h = q_rows.shape
     s = k_ctx.shape[1]
@@ -361,35 +373,38 @@ def tpu_context_attention(q_rows, k_ctx, v_ctx, lo, hi, *, chunk: int | None = N
         last = jnp.clip((hi_ref[n] + chunk - 1) // chunk - 1, first, num_chunks - 1)
         return i, jnp.clip(p * per_split + c, first, last), k
 
+    tile = (heads * r, heads * h)
     ctx = pl.BlockSpec((None, chunk, heads * h), ctx_index)
     out_index = lambda i, j, k, p, c, *_: (i, j, p, k, 0, 0)
     kernel = functools.partial(_tpu_kernel, chunk=chunk, per_split=per_split, num_blocks=a, scale=h**-0.5)
-    return pl.pallas_call(
+    outs, lses = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(b, a, kv_heads // heads, splits, per_split),
-            in_specs=[pl.BlockSpec((None, None, heads, r, h), lambda i, j, k, *_: (i, j, k, 0, 0)), ctx, ctx],
+            in_specs=[pl.BlockSpec((None, None, None, *tile), lambda i, j, k, *_: (i, j, k, 0, 0)), ctx, ctx],
             out_specs=[
-                pl.BlockSpec((None, None, None, heads, r, h), out_index),
-                pl.BlockSpec((None, None, None, heads, r, LANES), out_index),
+                pl.BlockSpec((None, None, None, None, *tile), out_index),
+                pl.BlockSpec((None, None, None, None, heads * r, LANES), out_index),
             ],
             scratch_shapes=[
-                pltpu.VMEM((heads, r, LANES), jnp.float32),
-                pltpu.VMEM((heads, r, LANES), jnp.float32),
-                pltpu.VMEM((heads, r, h), jnp.float32),
+                pltpu.VMEM((heads * r, LANES), jnp.float32),
+                pltpu.VMEM((heads * r, LANES), jnp.float32),
+                pltpu.VMEM(tile, jnp.float32),
             ],
         ),
         out_shape=[
-            jax.ShapeDtypeStruct((b, a, splits, kv_heads, r, h), jnp.float32),
-            jax.ShapeDtypeStruct((b, a, splits, kv_heads, r, LANES), jnp.float32),
+            jax.ShapeDtypeStruct((b, a, splits, kv_heads // heads, *tile), jnp.float32),
+            jax.ShapeDtypeStruct((b, a, splits, kv_heads // heads, heads * r, LANES), jnp.float32),
         ],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "parallel", "arbitrary")
         ),
         interpret=interpret,
         name="target_kv_attention_tpu",
-    )(lo.reshape(-1), hi.reshape(-1), q_rows, k_ctx.reshape(b, s, -1), v_ctx.reshape(b, s, -1))
+    )(lo.reshape(-1), hi.reshape(-1), _block_diagonal(q_rows, heads), k_ctx.reshape(b, s, -1), v_ctx.reshape(b, s, -1))
+    lses = lses[..., :1].reshape(b, a, splits, kv_heads, r, 1)
+    return _diagonal_blocks(outs, heads), lses
 
 
 # ---------------------------------------------------------------- the kernel path, with the reference backward
