@@ -303,8 +303,8 @@ def spawn(name: str, small: bool, limit: float) -> tuple[list[str], dict]:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
             output, code = proc.stdout + proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as e:
-            output = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
-            output, code = output + f"\n(killed after {limit:.0f} s)", None
+            text = lambda x: x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+            output, code = text(e.stdout) + text(e.stderr) + f"\n(killed after {limit:.0f} s)", None
         elapsed = time.perf_counter() - start
         lines, facts = [], {}
         if os.path.exists(part):

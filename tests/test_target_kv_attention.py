@@ -179,7 +179,9 @@ def test_kernels_lower_for_their_accelerator(variant, platform, monkeypatch):
             pytest.skip("this jax has no TPU-info registry to lower for a TPU without one")
         v5e = lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)
         monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind, v5e)
-    for (heads, kv_heads, head_dim), t, dtype in itertools.product(TARGET_SHAPES, (1, 8, 16), (jnp.bfloat16,)):
+    for (heads, kv_heads, head_dim), t, dtype in itertools.product(
+        TARGET_SHAPES, (1, 8, 16), (jnp.bfloat16, jnp.float32)
+    ):
         b, s = 8, 32768
         shapes = [(b, 1, t, heads, head_dim)] + [(b, 1, t, kv_heads, head_dim)] * 2 + [(b, s, kv_heads, head_dim)] * 2
         args = [jax.ShapeDtypeStruct(x, dtype) for x in shapes] + [jax.ShapeDtypeStruct((b, 1), jnp.int32)] * 2

@@ -226,7 +226,7 @@ def _gpu_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, o_ref, lse_ref, *, chunk:
 
 def gpu_context_attention(q_rows, k_ctx, v_ctx, lo, hi, *, chunk: int | None = None, splits=None, interpret=False):
     """GPU variant of the context part. q_rows `[B, A, K, R, H]`; k_ctx, v_ctx `[B, S, K, H]` (read in place, no
-    copy or transpose); lo, hi `[B, A]` -> partials (o `[B, A, P, K, R, H]` fp32, lse `[B, A, P, K, R]`).
+    copy or transpose); lo, hi `[B, A]` -> partials (o `[B, A, P, K, R, H]` fp32, lse `[B, A, P, K, R, 1]`).
 
     Block-shape rules (Triton): every tile a kernel touches has power-of-two dims and every dot is at least
     16 x 16 x 16, so R = `gpu_rows` (T*G padded, >= 16), C = `gpu_chunk(R)` (power of two, 16..128) and H must
