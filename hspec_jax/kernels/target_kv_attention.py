@@ -20,9 +20,15 @@ How the kernels work (flash-decoding): the T*G queries that share a KV head are 
 r = slot r // G, padded with zero rows to a legal size). The context is cut into P splits of whole chunks
 of C rows; one program per (sequence, block, KV head(s), split) folds its split's visible chunks into an
 online softmax and writes a partial result (normalised output and log-sum-exp). Chunks outside the
-visible range [lo, hi) are neither read nor computed. A small `jnp` combine step merges the P partials
-with the block's own T keys (`_block_part`); with P = 1 it only adds the block. Backward: `custom_vjp`
-whose backward is the reference's (`jax.vjp` of `reference`), so `jax.grad` works through the kernels.
+visible range [lo, hi) (from anchors, doc_starts and the window: `visible_range`) are neither read nor
+computed. A small `jnp` combine step merges the P partials with the block's own T keys (`_block_part`);
+with P = 1 it only adds the block. Both kernel bodies use plain ref loads and dots, shared helpers for the
+softmax (`_online_update`, `_finish`); each variant's wrapper holds its backend's block shapes and compiler
+parameters (see `gpu_context_attention`, `tpu_context_attention`). Backward: `custom_vjp` whose backward is
+the reference's (`jax.vjp` of `reference`), so `jax.grad` works through the kernel path.
+
+Not handled here: the kernel is not wrapped in `shard_map`, so under a multi-device mesh XLA has no rule to
+partition it (untested: expect gathered inputs or an error); sharded runs should use the reference.
 
 Which path runs where (`impl`):
 * `"reference"`: masked dense `jnp` attention; the training path and the CPU path.
@@ -195,8 +201,9 @@ def gpu_chunk(rows: int) -> int:
 
 
 def _gpu_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, o_ref, lse_ref, *, chunk: int, split_rows: int, scale: float):
-    """One (sequence, block, KV head, split): q `[R, H]`, this split's context K/V `[split_rows, H]` (a window
-    of the cache, loads masked to the visible rows) -> o `[R, H]` fp32, lse `[R, 1]`."""
+    """One (sequence, block, KV head, split): q `[R, H]`, the head's whole context K/V `[S, H]` (read chunk by
+    chunk, only this split's visible rows) -> o `[R, H]` fp32, lse `[R, 1]`."""
+    num_rows = kc_ref.shape[0]
     split_start = pl.program_id(3) * split_rows
     lo = jnp.maximum(lo_ref[...], split_start)
     hi = jnp.minimum(hi_ref[...], split_start + split_rows)
@@ -204,22 +211,25 @@ def _gpu_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, o_ref, lse_ref, *, chunk:
     r, h = q.shape
 
     def step(c, carry):
-        start = pl.multiple_of(c * chunk, chunk)
-        rows = split_start + start + jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
-        cols = split_start + start + jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
-        row_ok = (rows >= lo) & (rows < hi)
-        k = pltriton.load(kc_ref.at[pl.ds(start, chunk), :], mask=row_ok, other=0.0)
-        v = pltriton.load(vc_ref.at[pl.ds(start, chunk), :], mask=row_ok, other=0.0)
-        return _online_update(*carry, _scores(q, k, scale), (cols >= lo) & (cols < hi), v)
+        # Chunk c covers rows [first, first + C); a chunk past S - C is read from S - C instead (every load stays
+        # inside the cache) and its rows before `first`, already folded in, are masked.
+        first = split_start + c * chunk
+        start = jnp.minimum(first, num_rows - chunk)
+        rows = start + jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+        cols = start + jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
+        low = jnp.maximum(lo, first)
+        v = jnp.where((rows >= low) & (rows < hi), vc_ref[pl.ds(start, chunk), :], 0)
+        visible = (cols >= low) & (cols < hi)
+        return _online_update(*carry, _scores(q, kc_ref[pl.ds(start, chunk), :], scale), visible, v)
 
-    first = jnp.maximum(lo - split_start, 0) // chunk
-    last = jnp.where(hi > lo, (hi - split_start + chunk - 1) // chunk, first)
+    begin = jnp.maximum(lo - split_start, 0) // chunk
+    end = jnp.where(hi > lo, (hi - split_start + chunk - 1) // chunk, begin)
     init = (
         jnp.full((r, 1), MASK_VALUE, jnp.float32),
         jnp.zeros((r, 1), jnp.float32),
         jnp.zeros((r, h), jnp.float32),
     )
-    o, lse = _finish(*jax.lax.fori_loop(first, last, step, init))
+    o, lse = _finish(*jax.lax.fori_loop(begin, end, step, init))
     o_ref[...] = o
     lse_ref[...] = lse
 
@@ -229,24 +239,29 @@ def gpu_context_attention(q_rows, k_ctx, v_ctx, lo, hi, *, chunk: int | None = N
     copy or transpose); lo, hi `[B, A]` -> partials (o `[B, A, P, K, R, H]` fp32, lse `[B, A, P, K, R, 1]`).
 
     Block-shape rules (Triton): every tile a kernel touches has power-of-two dims and every dot is at least
-    16 x 16 x 16, so R = `gpu_rows` (T*G padded, >= 16), C = `gpu_chunk(R)` (power of two, 16..128) and H must
-    be a power of two >= 16 (64 and 128 for every target here). S needs no rounding: a split is a window of
-    `split_rows = chunks * C` cache rows, the last may overhang S, and loads are masked to [lo, hi). Grid
-    (B, A, K, P); P from `_num_splits` so a launch has about `GPU_PROGRAMS` programs.
+    16 x 16 x 16, so R = `gpu_rows` (T*G padded, >= 16), C = `gpu_chunk(R)` (power of two, 16..128, at most S)
+    and H must be a power of two >= 16 (64 and 128 for every target here). Each program gets its KV head's
+    `[S, H]` context as a block (a strided view: Triton loads only the `[C, H]` tiles it indexes); S needs no
+    rounding (a chunk past S - C is read overlapping its predecessor and masked), only a cache shorter than 16
+    rows is zero-padded (a copy of at most 15 rows). The body uses plain ref loads, no Triton-only primitive;
+    the backend is chosen by `compiler_params` alone. Grid (B, A, K, P): split p covers rows
+    [p * split_rows, (p + 1) * split_rows), P from `_num_splits` so a launch has about `GPU_PROGRAMS` programs.
     """
     b, a, kv_heads, r, h = q_rows.shape
-    s = k_ctx.shape[1]
     if h < 16 or h & (h - 1) or r < 16 or r & (r - 1):
         raise ValueError(f"GPU attention kernel needs power-of-two head dim and query rows >= 16, got H={h}, R={r}")
-    chunk = chunk or gpu_chunk(r)
+    if k_ctx.shape[1] < 16:
+        pad = ((0, 0), (0, 16 - k_ctx.shape[1]), (0, 0), (0, 0))
+        k_ctx, v_ctx = jnp.pad(k_ctx, pad), jnp.pad(v_ctx, pad)
+    s = k_ctx.shape[1]
+    chunk = min(chunk or gpu_chunk(r), 1 << (s.bit_length() - 1))
     num_chunks = -(-s // chunk)
     splits = splits or _num_splits(num_chunks, b * a * kv_heads, GPU_PROGRAMS)
     per_split = -(-num_chunks // splits)
     splits = -(-num_chunks // per_split)
-    split_rows = per_split * chunk
-    kernel = functools.partial(_gpu_kernel, chunk=chunk, split_rows=split_rows, scale=h**-0.5)
+    kernel = functools.partial(_gpu_kernel, chunk=chunk, split_rows=per_split * chunk, scale=h**-0.5)
     scalar = pl.BlockSpec((None, None), lambda i, j, k, p: (i, j))
-    ctx = pl.BlockSpec((None, split_rows, None, h), lambda i, j, k, p: (i, p, k, 0))
+    ctx = pl.BlockSpec((None, s, None, h), lambda i, j, k, p: (i, 0, k, 0))
     return pl.pallas_call(
         kernel,
         grid=(b, a, kv_heads, splits),
