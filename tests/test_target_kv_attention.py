@@ -67,12 +67,12 @@ def test_document_starts_hide_earlier_documents(window):
 
 
 # (block length T, KV heads, query heads, context rows, window, causal, doc_starts, dtype, GPU/TPU chunk, splits)
-# Together: GQA groups 1/3/4/8, T 1..16, rows not a multiple of the chunk, windows shorter and longer than the
-# context, one and several context splits, documents starting mid-row, bf16.
+# Together: GQA groups 1/3/4/8, T 1..16, rows not a multiple of the chunk (and fewer than one), windows shorter
+# and longer than the context, one and several context splits, documents starting mid-row and at the anchor, bf16.
 CASES = [
     (1, 4, 4, 64, None, True, True, jnp.float32, (None, None), None),  # the variants' default chunk and splits
-    (3, 1, 4, 40, 7, False, True, jnp.float32, (16, 8), 3),
-    (8, 3, 9, 37, 100, True, True, jnp.float32, (16, 16), 2),
+    (3, 1, 4, 12, 7, False, True, jnp.float32, (16, 8), 3),  # fewer rows than a GPU chunk: padded to 16
+    (8, 3, 9, 37, 100, True, True, jnp.float32, (16, 16), 1),  # one split: its last chunk overlaps (GPU)
     (16, 2, 16, 37, 5, False, False, jnp.float32, (32, 8), None),
     (5, 1, 8, 48, 20, True, True, jnp.bfloat16, (16, 16), 2),
 ]

@@ -205,8 +205,8 @@ def _gpu_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, o_ref, lse_ref, *, chunk:
     chunk, only this split's visible rows) -> o `[R, H]` fp32, lse `[R, 1]`."""
     num_rows = kc_ref.shape[0]
     split_start = pl.program_id(3) * split_rows
-    lo = jnp.maximum(lo_ref[...], split_start)
-    hi = jnp.minimum(hi_ref[...], split_start + split_rows)
+    lo = lo_ref[...]
+    hi = jnp.minimum(hi_ref[...], split_start + split_rows)  # a chunk's own first row bounds it below (`low`)
     q = q_ref[...]
     r, h = q.shape
 
