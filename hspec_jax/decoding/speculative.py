@@ -150,9 +150,9 @@ def spec_prefill(
     k = drafter.num_drafts
     batch, width = prompts.shape
     first_rng, draft_rng, loop_rng = jax.random.split(rng, 3)
-    out = forward(target_params, target, prompts, cache, drafter.fusion_layer_ids)
-    last = jnp.take_along_axis(out.logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    token = sample(first_rng, last, sampling)
+    last = (lengths - 1)[:, None]  # logits only at each sequence's last prompt position: [B, 1, V], not [B, T, V]
+    out = forward(target_params, target, prompts, cache, drafter.fusion_layer_ids, logit_indices=last)
+    token = sample(first_rng, out.logits[:, 0], sampling)
     cache = commit(out.cache, lengths)
     taps = _fused(out.hidden)  # [B, T, F*D]
     seed = jnp.take_along_axis(taps, (lengths - 1)[:, None, None], axis=1)[:, 0]
