@@ -62,7 +62,11 @@ def read_manifest(directory: str, filename: str, fmt: str, what: str) -> dict:
 
 
 def save_pytree(path: str, tree) -> None:
-    checkpointer = ocp.StandardCheckpointer()
+    """Write a pytree of host arrays. The calling process writes it alone (no barrier with other processes),
+    so one process of a multi-process job (e.g. training's process 0) can export a drafter by itself."""
+    me = jax.process_index()
+    only_me = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+    checkpointer = ocp.StandardCheckpointer(multiprocessing_options=only_me)
     checkpointer.save(path, tree)
     checkpointer.wait_until_finished()
 
