@@ -11,6 +11,7 @@ and every shape is compiled ahead of time before its first timed call, so no com
 
 Writes into `--out`:
   results.jsonl  one row per prompt x method x turn (fields: `eval.report`), written as the run goes
+  meta.json      command, machine, settings, methods (`python -m eval.report DIR` rewrites the report from these)
   report.md      machine facts, tau, acceptance by draft index, tokens/s, speedup and its latency-model
                  prediction per task and overall, drafter-side KV bytes, paired bootstrap CIs between drafters
   *.png          tau per task, acceptance by draft index, speedup per task, tau vs position in the block
@@ -132,6 +133,21 @@ class LosslessError(RuntimeError):
     pass
 
 
+def same_output(out: np.ndarray, reference: np.ndarray, greedy: bool, method: Method, prompt: Prompt, turn: int):
+    """Whether a speculative output equals plain decoding's; under greedy decoding a difference is an error that
+    names the prompt (the engine must be lossless)."""
+    identical = bool(np.array_equal(out, reference))
+    if greedy and not identical:
+        n = min(len(out), len(reference))
+        differ = np.flatnonzero(out[:n] != reference[:n])
+        at = int(differ[0]) if len(differ) else n
+        raise LosslessError(
+            f"{method.name} changed the greedy output of prompt {prompt.id} ({prompt.task}), turn {turn + 1}, "
+            f"from token {at} on: speculative decoding must equal plain decoding"
+        )
+    return identical
+
+
 class Evaluation:
     """Runs every method on every unit, turn by turn, compiling each (method, shape) once."""
 
@@ -196,12 +212,10 @@ class Evaluation:
                             if method.drafter is None:
                                 plain_out[(prompt.id, turn)] = out
                             else:
-                                row["identical"] = bool(np.array_equal(out, plain_out[(prompt.id, turn)]))
-                                if self.sampling.greedy and not row["identical"]:
-                                    raise LosslessError(
-                                        f"{method.name} changed the greedy output of prompt {prompt.id} "
-                                        f"({prompt.task}), turn {turn + 1}: speculative decoding is not lossless"
-                                    )
+                                reference = plain_out[(prompt.id, turn)]
+                                row["identical"] = same_output(
+                                    out, reference, self.sampling.greedy, method, prompt, turn
+                                )
                             self.results.write(json.dumps(row) + "\n")
                             rows.append(row)
                         self.results.flush()
@@ -318,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         "bootstrap_resamples": args.bootstrap_resamples,
         "seed": args.seed,
     }
+    with open(os.path.join(args.out, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
     for path in write_report(args.out, rows, meta):
         print(f"wrote {path}")
     return 0

@@ -1,5 +1,7 @@
 """From the rows of an evaluation run (`results.jsonl`) to `report.md` and its plots.
 
+    python -m eval.report DIR    # rewrite DIR/report.md and DIR/*.png from DIR/results.jsonl and DIR/meta.json
+
 A row is one prompt x method x turn: `task`, `prompt_id`, `turn`, `method`, `unit` (the prompts timed together:
 the prompt itself at batch size 1), `call` (one timed generation; a batch shares it), `call_seconds` and
 `call_prefill_seconds` (wall time of that generation and of its prefill), `call_steps` (decode-loop iterations:
@@ -21,7 +23,9 @@ Relative gains between drafters get paired bootstrap 95% intervals over units (`
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -300,3 +304,26 @@ def plot(out_dir: str, drafters: list[str], tasks: list[str], by: dict, overall:
     bars("speedup_by_task.png", lambda t, p: speedups(t, p)[0], "decode speedup over plain (x)", 1.0)
     lines("tau_by_block_position.png", Totals.tau_by_block_position, "tau with the block cut after draft i")
     return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m eval.report DIR", file=sys.stderr)
+        return 1
+    out_dir = argv[0]
+    try:
+        with open(os.path.join(out_dir, "results.jsonl")) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        with open(os.path.join(out_dir, "meta.json")) as f:
+            meta = json.load(f)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for path in write_report(out_dir, rows, meta):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

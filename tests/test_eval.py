@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from eval import main as eval_main
+from eval import report as eval_report
 from eval.bootstrap import paired_bootstrap, ratio_gains
 from eval.chat import ChatEncoder, conversation
 from eval.prompts import COUNTS, TASKS, load_prompts, parse_tasks, spread
@@ -165,6 +166,17 @@ def test_eval_main_end_to_end_on_the_tiny_random_target(tmp_path):
     text = (out / "report.md").read_text()
     assert "| random:dspark | 7 |" in text and "random:hspec vs random:dspark" in text
     assert all((out / name).stat().st_size > 0 for name in PLOTS)
+    (out / "report.md").unlink()
+    assert eval_report.main([str(out)]) == 0 and (out / "report.md").read_text() == text
+
+
+def test_a_greedy_mismatch_names_the_prompt():
+    prompt = load_prompts("code", 1)[0]
+    method = eval_main.Method("random:hspec", None, 8)
+    same = eval_main.same_output(np.array([5, 6, 7]), np.array([5, 6, 7]), True, method, prompt, 0)
+    assert same and not eval_main.same_output(np.array([5, 6]), np.array([5, 7]), False, method, prompt, 0)
+    with pytest.raises(eval_main.LosslessError, match=r"random:hspec .* HumanEval/0 \(code\), turn 2, from token 2"):
+        eval_main.same_output(np.array([5, 6, 7]), np.array([5, 6]), True, method, prompt, 1)
 
 
 def test_eval_main_rejects_bad_arguments(tmp_path, capsys):
