@@ -21,10 +21,12 @@ class Gain(NamedTuple):
 
 
 def ratio_gains(num_a, den_a, num_b, den_b, index: np.ndarray) -> np.ndarray:
-    """Relative gain of A over B for each resample: `index [R, n]` unit indices -> `[R]` gains."""
-    a = np.asarray(num_a, np.float64)[index].sum(1) / np.asarray(den_a, np.float64)[index].sum(1)
-    b = np.asarray(num_b, np.float64)[index].sum(1) / np.asarray(den_b, np.float64)[index].sum(1)
-    return a / b - 1.0
+    """Relative gain of A over B for each resample: `index [R, n]` unit indices -> `[R]` gains (nan where a
+    resample has no steps or seconds at all)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a = np.asarray(num_a, np.float64)[index].sum(1) / np.asarray(den_a, np.float64)[index].sum(1)
+        b = np.asarray(num_b, np.float64)[index].sum(1) / np.asarray(den_b, np.float64)[index].sum(1)
+        return a / b - 1.0
 
 
 def paired_bootstrap(
