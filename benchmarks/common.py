@@ -30,17 +30,3 @@ def write_report(path: str, lines: list[str]) -> None:
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {path}")
-
-
-def cpu_model() -> str:
-    """The CPU model from /proc/cpuinfo (timings move by 2x between machines of the same kind)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()

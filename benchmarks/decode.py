@@ -22,6 +22,7 @@ import torch
 
 from benchmarks.common import PROMPTS, median_time, write_report
 from eval.generate import compile_autoregressive
+from eval.machine import read_bandwidth_gbs
 from hspec_jax.checkpoints import load_target, load_tokenizer, resolve
 from hspec_jax.decoding import SamplingConfig, chat_prompt_ids, pad_batch
 from hspec_jax.models import forward, init_cache, lm_head_matrix
@@ -49,16 +50,6 @@ def divergence_note(model, prompt, ours, theirs, at: int) -> str:
         f"token {at}: hspec-jax {int(ours[at])}, transformers generate {int(theirs[at])}; logit gap "
         f"{gap:.3f}; transformers' uncached forward picks {side} token"
     )
-
-
-def read_bandwidth_gbs() -> float:
-    """Peak read bandwidth: the fastest of 20 XLA reductions over a 512 MiB fp32 array (the machine is shared
-    and noisy; the best run is the least disturbed one)."""
-    x = jnp.ones((128 * 1024 * 1024,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
-    best = min(median_time(lambda: total(x).block_until_ready(), repeats=1) for _ in range(20))
-    return x.nbytes / 1e9 / best
 
 
 def step_breakdown(params, config, context: int):
@@ -108,8 +99,9 @@ def main(argv=None) -> None:
         )
         ours = []
         for _ in range(args.repeats):
-            out, _, seconds = run()
-            ours.append(seconds)
+            result = run()
+            ours.append(result.seconds)
+        out = result.tokens
         with torch.no_grad():
             model.generate(torch.tensor(tokens), max_new_tokens=4, do_sample=False)  # warm-up
             theirs = []
@@ -149,7 +141,8 @@ def main(argv=None) -> None:
             pad_id=0,
             seed=0,
         )
-        _, num, seconds = min((run() for _ in range(args.repeats)), key=lambda r: r[2])
+        best = min((run() for _ in range(args.repeats)), key=lambda r: r.seconds)
+        num, seconds = best.num_tokens, best.seconds
         batch_rows.append(f"| {batch} | {int(num.sum())} | {seconds:.2f} | {num.sum() / seconds:.1f} |")
         print(batch_rows[-1], flush=True)
 

@@ -101,8 +101,8 @@ def main(argv=None) -> None:
         tokens, lengths = pad_batch([ids])
         kw = dict(max_new_tokens=n, sampling=GREEDY, eos_ids=(), pad_id=0, seed=0)
         ar = compile_autoregressive(target_params, target, tokens, lengths, len(ids) + n, **kw)
-        ar_out, _, _ = ar()
-        t_ar = float(np.median([ar()[2] for _ in range(args.repeats)]))
+        ar_out = ar().tokens
+        t_ar = float(np.median([ar().seconds for _ in range(args.repeats)]))
         per_token.append(t_ar / n)
         cells = []
         for kind, (config, params, vocab) in drafters.items():
@@ -110,9 +110,9 @@ def main(argv=None) -> None:
                 target_params, target, params, config, vocab, tokens, lengths, len(ids) + n + k + 1, **kw
             )
             runs = [spec() for _ in range(args.repeats)]
-            out, _, _, stats = runs[0]
+            out, stats = runs[0].tokens, runs[0].stats
             assert np.array_equal(out, ar_out), f"{kind} changed the greedy output"
-            t_spec = float(np.median([r[2] for r in runs]))
+            t_spec = float(np.median([r.seconds for r in runs]))
             steps = int(stats.steps[0])
             per_step[kind].append(t_spec / steps)
             cells.append(f"{n / t_spec:.1f} ({stats.tau():.2f}, {t_spec / t_ar:.2f}x)")

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import cpu_model, median_time, write_report
+from benchmarks.common import median_time, write_report
+from eval.machine import cpu_model
 from hspec_jax.checkpoints import load_target
 from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.vocab import build_draft_vocab

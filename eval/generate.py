@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -29,7 +30,7 @@ from hspec_jax.checkpoints import CheckpointError, load_target, load_tokenizer
 from hspec_jax.checkpoints.drafter_io import restore_drafter
 from hspec_jax.decoding import SamplingConfig, chat_prompt_ids, pad_batch
 from hspec_jax.decoding.autoregressive import decode, prefill
-from hspec_jax.decoding.speculative import spec_decode, spec_prefill
+from hspec_jax.decoding.speculative import SpecStats, spec_decode, spec_prefill
 from hspec_jax.drafters import DRAFTER_KINDS, init_drafter, init_from_target
 from hspec_jax.drafters.config import check_target
 from hspec_jax.drafters.dflash import drafter_context
@@ -88,35 +89,50 @@ def stop_ids(config, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+class Timed(NamedTuple):
+    """One generation timed after compilation: wall seconds of prefill + decode, and of the prefill alone."""
+
+    tokens: np.ndarray  # [B, max_new_tokens]
+    num_tokens: np.ndarray  # [B]
+    seconds: float
+    prefill_seconds: float
+    stats: SpecStats | None = None  # speculative runs only
+
+
 def _timed(first, then):
-    """Time `then(first())` on the wall clock, blocking until the result is ready."""
+    """(then(first()), seconds of both, seconds of first) on the wall clock, blocking until each result is ready."""
     start = time.perf_counter()
-    out = then(first())
-    jax.block_until_ready(out)
-    return out, time.perf_counter() - start
+    pre = jax.block_until_ready(first())
+    middle = time.perf_counter()
+    out = jax.block_until_ready(then(pre))
+    return out, time.perf_counter() - start, middle - start
 
 
 def compile_autoregressive(
     params, config, tokens, lengths, capacity, *, max_new_tokens, sampling, eos_ids, pad_id, seed, mesh=None
 ):
-    """Compile prefill + decode ahead of time; returns `run() -> (tokens, num_tokens, seconds)` that times one
-    generation (fresh cache each call) without any compilation on the clock."""
-    first_rng, loop_rng = jax.random.split(jax.random.key(seed))
+    """Compile prefill + decode ahead of time for the shapes of `tokens [B, T]` and `capacity`. Returns
+    `run(new_tokens=None, new_lengths=None, new_seed=None) -> Timed`: one generation (fresh cache each call) timed
+    without any compilation on the clock, for the compiled prompts or new ones of the same shape (and seed)."""
     place = Placement(mesh, config.head_dim)
-    params, (tokens, lengths) = place.params(params), place.batch(tokens, lengths)
+    params = place.params(params)
+    first_rng, loop_rng = jax.random.split(jax.random.key(seed))
+    batch = place.batch(tokens, lengths)
     cache = place.kv(init_cache(config, tokens.shape[0], capacity))
-    pre_c = prefill.lower(params, config, tokens, lengths, cache, first_rng, sampling).compile()
-    pre_shape = jax.eval_shape(lambda: prefill(params, config, tokens, lengths, cache, first_rng, sampling))
+    pre_c = prefill.lower(params, config, *batch, cache, first_rng, sampling).compile()
+    pre_shape = jax.eval_shape(lambda: prefill(params, config, *batch, cache, first_rng, sampling))
     dec_kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
     dec_c = decode.lower(params, config, pre_shape.cache, pre_shape.token, loop_rng, **dec_kw).compile()
 
-    def run():
+    def run(new_tokens=None, new_lengths=None, new_seed=None) -> Timed:
+        prompts, prompt_lengths = batch if new_tokens is None else place.batch(new_tokens, new_lengths)
+        first, loop = (first_rng, loop_rng) if new_seed is None else jax.random.split(jax.random.key(new_seed))
         fresh = jax.block_until_ready(place.kv(init_cache(config, tokens.shape[0], capacity)))
-        out, seconds = _timed(
-            lambda: pre_c(params, tokens, lengths, fresh, first_rng),
-            lambda pre: dec_c(params, pre.cache, pre.token, loop_rng),
+        out, seconds, prefill_seconds = _timed(
+            lambda: pre_c(params, prompts, prompt_lengths, fresh, first),
+            lambda pre: dec_c(params, pre.cache, pre.token, loop),
         )
-        return np.asarray(out.tokens), np.asarray(out.num_tokens), seconds
+        return Timed(np.asarray(out.tokens), np.asarray(out.num_tokens), seconds, prefill_seconds)
 
     return run
 
@@ -138,32 +154,34 @@ def compile_speculative(
     seed,
     mesh=None,
 ):
-    """As `compile_autoregressive`, for draft-and-verify; `run()` also returns the `SpecStats`."""
-    rng = jax.random.key(seed)
+    """As `compile_autoregressive`, for draft-and-verify; the `Timed` result carries the `SpecStats`."""
     place = Placement(mesh, target.head_dim)
     target_params, drafter_params = place.params(target_params), place.params(drafter_params)
-    tokens, lengths = place.batch(tokens, lengths)
+    batch = place.batch(tokens, lengths)
 
     def fresh_caches():
-        batch = tokens.shape[0]
-        return place.kv((init_cache(target, batch, capacity), drafter_context(drafter, batch, capacity)))
+        size = tokens.shape[0]
+        return place.kv((init_cache(target, size, capacity), drafter_context(drafter, size, capacity)))
 
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
     cache, context = fresh_caches()
-    args = (target_params, target, drafter_params, drafter, vocab, tokens, lengths, cache, context, rng)
+    rng = jax.random.key(seed)
+    args = (target_params, target, drafter_params, drafter, vocab, *batch, cache, context, rng)
     pre_c = spec_prefill.lower(*args, **kw).compile()
     state, cache_s, context_s = jax.eval_shape(lambda: spec_prefill(*args, **kw))
     dec_c = spec_decode.lower(
         target_params, target, drafter_params, drafter, vocab, state, cache_s, context_s, **kw
     ).compile()
 
-    def run():
+    def run(new_tokens=None, new_lengths=None, new_seed=None) -> Timed:
+        prompts, prompt_lengths = batch if new_tokens is None else place.batch(new_tokens, new_lengths)
+        key = rng if new_seed is None else jax.random.key(new_seed)
         cache, context = jax.block_until_ready(fresh_caches())
-        out, seconds = _timed(
-            lambda: pre_c(target_params, drafter_params, vocab, tokens, lengths, cache, context, rng),
+        out, seconds, prefill_seconds = _timed(
+            lambda: pre_c(target_params, drafter_params, vocab, prompts, prompt_lengths, cache, context, key),
             lambda pre: dec_c(target_params, drafter_params, vocab, *pre),
         )
-        return np.asarray(out.tokens), np.asarray(out.num_tokens), seconds, out.stats
+        return Timed(np.asarray(out.tokens), np.asarray(out.num_tokens), seconds, prefill_seconds, out.stats)
 
     return run
 
@@ -251,18 +269,19 @@ def main(argv: list[str] | None = None) -> int:
         mesh=mesh,
     )
     if drafter is None:
-        out, num, seconds = compile_autoregressive(params, config, tokens, lengths, capacity, **kw)()
+        result = compile_autoregressive(params, config, tokens, lengths, capacity, **kw)()
     else:
         drafter_config, drafter_params, vocab = drafter
         run = compile_speculative(
             params, config, drafter_params, drafter_config, vocab, tokens, lengths, capacity, **kw
         )
-        out, num, seconds, stats = run()
-    for row, n in zip(out, num, strict=True):
+        result = run()
+    for row, n in zip(result.tokens, result.num_tokens, strict=True):
         print(tokenizer.decode(row[:n], skip_special_tokens=True))
-    total = int(num.sum())
+    total, seconds = int(result.num_tokens.sum()), result.seconds
     print(f"decode: {total} tokens in {seconds:.3f} s ({total / seconds:.1f} tok/s)")
     if drafter is not None:
+        stats = result.stats
         rates = ",".join(f"{r:.2f}" for r in stats.acceptance_by_position())
         print(f"spec: tau={stats.tau():.2f} steps={int(np.sum(stats.steps))} accept_by_position={rates}")
     return 0

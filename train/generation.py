@@ -11,18 +11,10 @@ from eval.generate import stop_ids
 from hspec_jax.decoding import SamplingConfig, generate, pad_batch
 
 
-def bucket_length(length: int, smallest: int = 64) -> int:
-    """The padded prompt width: the next power of two >= `length`, at least `smallest`."""
-    width = smallest
-    while width < length:
-        width *= 2
-    return width
-
-
 @dataclasses.dataclass(frozen=True)
 class BatchGenerator:
-    """Generates continuations of up to `batch_size` prompts at a time. Batches are padded to `batch_size` rows
-    and prompts to `bucket_length`, so one program per prompt bucket is compiled."""
+    """Generates continuations of up to `batch_size` prompts at a time. Batches are padded to `batch_size` rows;
+    `generate` buckets the prompt width and cache capacity, so one program per bucket is compiled."""
 
     config: object  # TargetConfig
     params: dict
@@ -40,8 +32,7 @@ class BatchGenerator:
         if not 0 < len(prompts) <= self.batch_size:
             raise ValueError(f"{len(prompts)} prompts for a batch of {self.batch_size}")
         rows = prompts + [prompts[0]] * (self.batch_size - len(prompts))
-        width = bucket_length(max(len(p) for p in rows))
-        tokens, lengths = pad_batch(rows, self.pad_id, width)
+        tokens, lengths = pad_batch(rows, self.pad_id)
         eos_ids = stop_ids(self.config, self.tokenizer)
         out = generate(
             self.params,
@@ -53,7 +44,6 @@ class BatchGenerator:
             sampling=self.sampling,
             eos_ids=eos_ids,
             pad_id=self.pad_id,
-            cache_capacity=width + self.max_new_tokens,
         )
         generated, counts = np.asarray(out.tokens), np.asarray(out.num_tokens)
         results = []

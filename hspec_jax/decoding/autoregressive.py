@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from hspec_jax import parallel
+from hspec_jax.decoding.batching import bucketed_shapes, pad_to_width
 from hspec_jax.decoding.sampling import SamplingConfig, sample
 from hspec_jax.models.config import TargetConfig
 from hspec_jax.models.decoder import forward
@@ -116,10 +117,14 @@ def generate(
     cache_capacity: int | None = None,
     mesh=None,
 ) -> Generation:
-    """Prefill then decode. `cache_capacity` defaults to the longest prompt plus `max_new_tokens`. With a
-    `mesh` (`hspec_jax.parallel.make_mesh`), params, batch and cache are sharded and the loop runs SPMD."""
-    capacity = cache_capacity or int(jnp.max(lengths)) + max_new_tokens
+    """Prefill then decode. `cache_capacity` defaults to the longest prompt plus `max_new_tokens`, and the prompt
+    width is padded, both rounded up to a bucket (`batching.bucketed_shapes`) so that nearby prompt lengths reuse one
+    compiled program. With a `mesh` (`hspec_jax.parallel.make_mesh`), params, batch and cache are sharded and the
+    loop runs SPMD."""
+    longest = int(jnp.max(lengths))
+    width, capacity = bucketed_shapes(longest, prompts.shape[1], 0, max_new_tokens, cache_capacity)
     check_capacity(jax.device_get(lengths), 0, capacity)
+    prompts = pad_to_width(jnp.asarray(prompts), width, pad_id)
     rng = jax.random.key(0) if rng is None else rng
     first_rng, loop_rng = jax.random.split(rng)
     cache = init_cache(config, prompts.shape[0], capacity)

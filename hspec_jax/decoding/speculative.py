@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from hspec_jax import parallel
 from hspec_jax.decoding.acceptance import greedy_accept, speculative_accept
 from hspec_jax.decoding.autoregressive import is_eos
+from hspec_jax.decoding.batching import bucketed_shapes, pad_to_width
 from hspec_jax.decoding.sampling import SamplingConfig, probabilities, sample
 from hspec_jax.drafters.api import draft_block
 from hspec_jax.drafters.config import DrafterConfig, check_target
@@ -260,12 +261,15 @@ def speculative_generate(
     mesh=None,
 ) -> SpecGeneration:
     """Prefill, then draft-and-verify until done. `cache_capacity` defaults to the longest prompt plus
-    `max_new_tokens` plus one block, so the cache never stops a sequence before `max_new_tokens`. With a
-    `mesh`, both models' params, the batch and the caches are sharded and the whole loop runs SPMD."""
+    `max_new_tokens` plus one block, so the cache never stops a sequence before `max_new_tokens`; it and the prompt
+    width are rounded up to a bucket (`batching.bucketed_shapes`). With a `mesh`, both models' params, the batch
+    and the caches are sharded and the whole loop runs SPMD."""
     k = drafter.num_drafts
     check_target(drafter, target)
-    capacity = cache_capacity or int(jnp.max(lengths)) + max_new_tokens + k + 1
+    longest = int(jnp.max(lengths))
+    width, capacity = bucketed_shapes(longest, prompts.shape[1], k + 1, max_new_tokens, cache_capacity)
     check_capacity(jax.device_get(lengths), k + 1, capacity)
+    prompts = pad_to_width(jnp.asarray(prompts), width, pad_id)
     rng = jax.random.key(0) if rng is None else rng
     cache = init_cache(target, prompts.shape[0], capacity)
     context = drafter_context(drafter, prompts.shape[0], capacity)

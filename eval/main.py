@@ -1,0 +1,343 @@
+"""Evaluate drafters: tau, per-position acceptance and wall-clock speedup over plain decoding on eight tasks.
+
+    python -m eval.main --target smollm2 --drafter random:hspec --drafter random:dspark --num-prompts 4 \\
+        --out /tmp/eval-smoke
+
+For every prompt of the chosen tasks (`eval.prompts`: math, qa, dialogue, rag, summarization, translation, code,
+tool_use), plain decoding and then each drafter generate up to `--max-new-tokens` tokens per turn, in one
+process, interleaved prompt by prompt. Multi-turn prompts (MT-bench) are answered turn by turn, each method's second
+turn seeing its own first answer. Prompt width and KV capacity are bucketed (`hspec_jax.decoding.bucketed_shapes`)
+and every shape is compiled ahead of time before its first timed call, so no compilation is ever timed.
+
+Writes into `--out`:
+  results.jsonl  one row per prompt x method x turn (fields: `eval.report`), written as the run goes
+  meta.json      command, machine, settings, methods (`python -m eval.report DIR` rewrites the report from these)
+  report.md      machine facts, tau, acceptance by draft index, tokens/s, speedup and its latency-model
+                 prediction per task and overall, drafter-side KV bytes, paired bootstrap CIs between drafters
+  *.png          tau per task, acceptance by draft index, speedup per task, tau vs position in the block
+
+Greedy runs (`--temperature 0`, the default) check that every drafter's output equals plain decoding on every
+prompt and turn; a mismatch stops the run with exit status 1 and names the prompt. At temperature 1 the fraction of
+identical outputs is reported.
+
+`--target` takes what `eval.generate` takes (smollm2, an HF directory, a .gguf file, an Orbax target) or
+`random:<recipe>` (e.g. random:tiny): a randomly initialised target of `configs/<recipe>.py`, with weights scaled
+up so greedy choices are far from ties, whose prompts are the SmolLM2 tokenizer's ids taken modulo its vocabulary
+(`eval.chat`). It exercises the whole pipeline in seconds; its numbers say nothing about real drafters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from eval.chat import ChatEncoder
+from eval.generate import (
+    DEFAULT_RECIPES,
+    build_drafter,
+    check_drafter_args,
+    compile_autoregressive,
+    compile_speculative,
+    stop_ids,
+)
+from eval.machine import machine_facts
+from eval.memory import kv_bytes_per_token
+from eval.prompts import Prompt, load_prompts, parse_tasks
+from eval.report import PLAIN, write_report
+from hspec_jax.checkpoints import CheckpointError, load_target, load_tokenizer
+from hspec_jax.decoding import SamplingConfig, bucketed_shapes, pad_batch
+from hspec_jax.models import check_capacity, init_params
+from hspec_jax.recipes import load_config, target_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_COMPILE_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hspec_jax", "xla")
+RANDOM_TARGET_SCALE = 4.0  # random targets: 2-D weights x4, so greedy argmaxes are far from ties
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m eval.main", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--target", default="smollm2", help="smollm2, an HF dir, a .gguf, an Orbax dir, random:<recipe>"
+    )
+    parser.add_argument("--drafter", action="append", default=[], help="checkpoint dir or random:<kind>; repeatable")
+    parser.add_argument("--recipe", default=None, help="recipe for random:<kind> drafters (default: the target's)")
+    parser.add_argument("--tasks", default="all", help="all, or a comma-separated list such as math,code")
+    parser.add_argument("--num-prompts", type=int, default=None, help="prompts per task, spread evenly (default all)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per turn (default 64)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (lossless check), or e.g. 1")
+    parser.add_argument("--batch-size", type=int, default=1, help="prompts of one task generated together")
+    parser.add_argument("--seed", type=int, default=0, help="sampling, random weights and bootstrap seed")
+    parser.add_argument("--cache-length", type=int, default=None, help="one fixed KV capacity (default: bucketed)")
+    parser.add_argument("--prompt-width", type=int, default=None, help="one fixed padded width (default: bucketed)")
+    parser.add_argument("--bootstrap-resamples", type=int, default=10000)
+    parser.add_argument(
+        "--compile-cache",
+        default=DEFAULT_COMPILE_CACHE,
+        help=f"persistent XLA compilation cache directory, '' for none (default {DEFAULT_COMPILE_CACHE})",
+    )
+    parser.add_argument("--out", required=True, help="output directory")
+    return parser.parse_args(argv)
+
+
+class Target(NamedTuple):
+    name: str
+    config: object  # TargetConfig
+    params: dict
+    encoder: ChatEncoder
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    recipe: str | None  # recipe file for random:<kind> drafters
+
+
+def load_eval_target(spec: str, recipe: str | None, seed: int) -> Target:
+    """The target, its chat encoder and stop ids, from a checkpoint spec or `random:<recipe>`."""
+    tokenizer = load_tokenizer("smollm2" if spec.startswith("random:") else spec)
+    if spec.startswith("random:"):
+        recipe = recipe or os.path.join(ROOT, "configs", f"{spec.split(':', 1)[1]}.py")
+        config = target_config(load_config(recipe))
+        params = init_params(config, jax.random.key(seed))
+        params = jax.tree.map(lambda x: x * RANDOM_TARGET_SCALE if x.ndim == 2 else x, params)
+        name = f"{spec} (random weights, SmolLM2 tokenizer ids modulo {config.vocab_size})"
+        return Target(name, config, params, ChatEncoder(tokenizer, config.vocab_size), config.eos_token_ids, 0, recipe)
+    config, params = load_target(spec)
+    pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+    recipe = recipe or DEFAULT_RECIPES.get(spec)
+    return Target(spec, config, params, ChatEncoder(tokenizer), stop_ids(config, tokenizer), pad_id, recipe)
+
+
+class Method(NamedTuple):
+    name: str
+    drafter: tuple | None  # (config, params, vocab); None for plain decoding
+    lookahead: int  # cache rows a step needs beyond the committed ones (k + 1; 0 for plain decoding)
+
+
+def units_of(prompts: list[Prompt], batch_size: int) -> list[list[Prompt]]:
+    """Prompts timed together: consecutive prompts of one task, `batch_size` at a time."""
+    units = []
+    for task in dict.fromkeys(p.task for p in prompts):
+        same = [p for p in prompts if p.task == task]
+        units += [same[i : i + batch_size] for i in range(0, len(same), batch_size)]
+    return units
+
+
+class LosslessError(RuntimeError):
+    pass
+
+
+def same_output(out: np.ndarray, reference: np.ndarray, greedy: bool, method: Method, prompt: Prompt, turn: int):
+    """Whether a speculative output equals plain decoding's; under greedy decoding a difference is an error that
+    names the prompt (the engine must be lossless)."""
+    identical = bool(np.array_equal(out, reference))
+    if greedy and not identical:
+        n = min(len(out), len(reference))
+        differ = np.flatnonzero(out[:n] != reference[:n])
+        at = int(differ[0]) if len(differ) else n
+        raise LosslessError(
+            f"{method.name} changed the greedy output of prompt {prompt.id} ({prompt.task}), turn {turn + 1}, "
+            f"from token {at} on: speculative decoding must equal plain decoding"
+        )
+    return identical
+
+
+class Evaluation:
+    """Runs every method on every unit, turn by turn, compiling each (method, shape) once."""
+
+    def __init__(self, target: Target, methods: list[Method], args: argparse.Namespace, results_file):
+        self.target, self.methods, self.args, self.results = target, methods, args, results_file
+        self.sampling = SamplingConfig(temperature=args.temperature)
+        self.lookahead = max(m.lookahead for m in methods)
+        self.runners: dict[tuple, object] = {}
+        self.kv_peak = dict.fromkeys((m.name for m in methods), 0)  # largest batch x capacity per method
+        self.calls = 0
+
+    def shapes(self, ids: list[list[int]]) -> tuple[int, int]:
+        """(width, capacity) of a batch: bucketed, or the fixed ones given on the command line."""
+        longest = max(len(x) for x in ids)
+        width, capacity = bucketed_shapes(
+            longest, longest, self.lookahead, self.args.max_new_tokens, self.args.cache_length
+        )
+        width = self.args.prompt_width or width
+        if not longest <= width <= capacity:
+            raise ValueError(f"a prompt of {longest} tokens padded to {width} does not fit in a cache of {capacity}")
+        # The whole answer must fit, or plain and speculative decoding would stop at different cache ends.
+        check_capacity(np.array([longest]), self.args.max_new_tokens + self.lookahead, capacity)
+        return width, capacity
+
+    def runner(self, method: Method, tokens: np.ndarray, lengths: np.ndarray, capacity: int, progress):
+        key = (method.name, *tokens.shape, capacity)
+        if key not in self.runners:
+            progress.set_postfix_str(
+                f"compiling {method.name} batch {tokens.shape[0]} width {tokens.shape[1]} capacity {capacity}"
+            )
+            t = self.target
+            kw = dict(
+                max_new_tokens=self.args.max_new_tokens,
+                sampling=self.sampling,
+                eos_ids=t.eos_ids,
+                pad_id=t.pad_id,
+                seed=self.args.seed,
+            )
+            if method.drafter is None:
+                self.runners[key] = compile_autoregressive(t.params, t.config, tokens, lengths, capacity, **kw)
+            else:
+                config, params, vocab = method.drafter
+                self.runners[key] = compile_speculative(
+                    t.params, t.config, params, config, vocab, tokens, lengths, capacity, **kw
+                )
+            progress.set_postfix_str("")
+        self.kv_peak[method.name] = max(self.kv_peak[method.name], tokens.shape[0] * capacity)
+        return self.runners[key]
+
+    def run(self, units: list[list[Prompt]]) -> list[dict]:
+        rows = []
+        total = sum(len(u[0].turns) for u in units) * len(self.methods)
+        with tqdm(total=total, desc="eval", unit="turn", file=sys.stderr) as progress:
+            for unit_index, unit in enumerate(units):
+                plain_out: dict[tuple[str, int], np.ndarray] = {}
+                for method in self.methods:
+                    answers: list[list[str]] = [[] for _ in unit]
+                    for turn in range(len(unit[0].turns)):
+                        progress.set_description(f"{unit[0].task} {method.name}")
+                        outputs, new_rows = self.generate(method, unit, unit_index, turn, answers, progress)
+                        for prompt, out, row in zip(unit, outputs, new_rows, strict=True):
+                            if method.drafter is None:
+                                plain_out[(prompt.id, turn)] = out
+                            else:
+                                reference = plain_out[(prompt.id, turn)]
+                                row["identical"] = same_output(
+                                    out, reference, self.sampling.greedy, method, prompt, turn
+                                )
+                            self.results.write(json.dumps(row) + "\n")
+                            rows.append(row)
+                        self.results.flush()
+                        progress.update(1)
+        return rows
+
+    def generate(self, method, unit, unit_index, turn, answers, progress):
+        """One timed generation of turn `turn` for a unit -> (per prompt output ids, per prompt rows)."""
+        ids = [self.target.encoder.encode(p, a) for p, a in zip(unit, answers, strict=True)]
+        width, capacity = self.shapes(ids)
+        tokens, lengths = pad_batch(ids, self.target.pad_id, width)
+        run = self.runner(method, tokens, lengths, capacity, progress)
+        result = run(tokens, lengths, self.args.seed * 1_000_003 + unit_index * 16 + turn)
+        self.calls += 1
+        if method.drafter is None:
+            call_steps = max(int(result.num_tokens.max()) - 1, 0)
+        else:
+            call_steps = int(np.max(result.stats.steps))
+        outputs, rows = [], []
+        for b, prompt in enumerate(unit):
+            n = int(result.num_tokens[b])
+            out = result.tokens[b, :n]
+            outputs.append(out)
+            answers[b].append(self.target.encoder.decode(out))
+            row = {
+                "task": prompt.task,
+                "prompt_id": prompt.id,
+                "turn": turn + 1,
+                "method": method.name,
+                "unit": unit_index,
+                "call": self.calls,
+                "batch_size": len(unit),
+                "prompt_tokens": len(ids[b]),
+                "tokens": n,
+                "call_seconds": result.seconds,
+                "call_prefill_seconds": result.prefill_seconds,
+                "call_steps": call_steps,
+            }
+            if method.drafter is not None:
+                stats = result.stats
+                row["steps"] = int(stats.steps[b])
+                row["accepted"] = int(stats.accepted[b])
+                row["reached_at"] = np.asarray(stats.reached_at[b]).tolist()
+                row["accepted_at"] = np.asarray(stats.accepted_at[b]).tolist()
+            rows.append(row)
+        return outputs, rows
+
+
+def method_meta(method: Method, target_config, kv_peak_rows: int) -> dict:
+    """Name, kind, k and drafter-side KV bytes (per token by `eval.memory`'s formula, and the run's peak)."""
+    if method.drafter is None:
+        return {"name": method.name, "kind": "plain", "k": 0, "kv_bytes_per_token": 0, "kv_bytes_peak": 0}
+    config = method.drafter[0]
+    layers = config.num_layers if config.owns_kv_cache else 0
+    itemsize = jnp.dtype(config.compute_dtype).itemsize
+    per_token = kv_bytes_per_token(layers, target_config.num_kv_heads, target_config.head_dim, itemsize)
+    return {
+        "name": method.name,
+        "kind": config.kind,
+        "k": config.num_drafts,
+        "kv_bytes_per_token": per_token,
+        "kv_bytes_peak": per_token * kv_peak_rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    try:
+        if args.temperature not in (0.0, 1.0):
+            raise ValueError("--temperature must be 0 (greedy) or 1")
+        if args.batch_size < 1 or args.max_new_tokens < 1:
+            raise ValueError("--batch-size and --max-new-tokens must be >= 1")
+        if len(set(args.drafter)) != len(args.drafter):
+            raise ValueError("each --drafter may be given once")
+        for spec in args.drafter:
+            check_drafter_args(spec, None)
+        prompts = load_prompts(parse_tasks(args.tasks), args.num_prompts)
+        target = load_eval_target(args.target, args.recipe, args.seed)
+        first_turns = [target.encoder.encode(p, []) for p in prompts]
+        methods = [Method(PLAIN, None, 0)]
+        for spec in args.drafter:
+            drafter = build_drafter(spec, args.target, target.config, target.params, target.recipe, first_turns, None)
+            methods.append(Method(spec, drafter, drafter[0].block_size))
+    except (CheckpointError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    os.makedirs(args.out, exist_ok=True)
+    if args.compile_cache:  # a rerun then loads its compiled programs instead of compiling them again
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    units = units_of(prompts, args.batch_size)
+    with open(os.path.join(args.out, "results.jsonl"), "w") as results:
+        evaluation = Evaluation(target, methods, args, results)
+        try:
+            rows = evaluation.run(units)
+        except (LosslessError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    meta = {
+        "command": "python -m eval.main " + shlex.join(argv),
+        "target": target.name,
+        "machine": machine_facts(target.config.dtype),
+        "settings": {
+            "tasks": ",".join(dict.fromkeys(p.task for p in prompts)),
+            "prompts": len(prompts),
+            "max new tokens per turn": args.max_new_tokens,
+            "temperature": args.temperature,
+            "batch size": args.batch_size,
+            "seed": args.seed,
+            "compiled shapes": len(evaluation.runners),
+        },
+        "methods": [method_meta(m, target.config, evaluation.kv_peak[m.name]) for m in methods],
+        "bootstrap_resamples": args.bootstrap_resamples,
+        "seed": args.seed,
+    }
+    with open(os.path.join(args.out, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    for path in write_report(args.out, rows, meta):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

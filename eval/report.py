@@ -1,0 +1,329 @@
+"""From the rows of an evaluation run (`results.jsonl`) to `report.md` and its plots.
+
+    python -m eval.report DIR    # rewrite DIR/report.md and DIR/*.png from DIR/results.jsonl and DIR/meta.json
+
+A row is one prompt x method x turn: `task`, `prompt_id`, `turn`, `method`, `unit` (the prompts timed together:
+the prompt itself at batch size 1), `call` (one timed generation; a batch shares it), `call_seconds` and
+`call_prefill_seconds` (wall time of that generation and of its prefill), `call_steps` (decode-loop iterations:
+target forwards after the prefill), `tokens` (new tokens of this row), and for speculative methods `steps`,
+`accepted`, `reached_at`/`accepted_at` (per draft index) and `identical` (same tokens as plain decoding).
+
+Definitions (pooled over the rows of a task, or of all tasks):
+  tau                = (accepted + steps) / steps, the mean tokens emitted per draft-and-verify step
+  acceptance i       = accepted_at[i] / reached_at[i], draft i accepted given drafts 1..i-1 were
+  tau up to i        = 1 + sum_{j<=i} accepted_at[j] / steps, tau had the block stopped after draft i
+  tokens/s           = tokens / seconds, end to end (prefill included)
+  speedup            = decode tokens/s of the method / that of plain decoding (inter-token latency, prefill
+                       excluded, as the paper reports), wall clock, same run
+  predicted speedup  = tau * T_plain / T_step, T_plain = plain decode seconds per forward, T_step = seconds per
+                       draft-and-verify step (both measured in this run: the latency model)
+Relative gains between drafters get paired bootstrap 95% intervals over units (`eval.bootstrap`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from eval.bootstrap import paired_bootstrap
+from eval.prompts import TASKS
+
+PLAIN = "plain"
+PLOTS = {
+    "tau_by_task.png": "tau per task",
+    "acceptance_by_position.png": "conditional acceptance by draft index",
+    "speedup_by_task.png": "speedup over plain decoding per task",
+    "tau_by_block_position.png": "tau had the block stopped after draft i",
+}
+
+
+@dataclass
+class Totals:
+    """Sums over a set of rows of one method; per-call quantities are counted once per call."""
+
+    rows: int = 0
+    tokens: int = 0
+    decode_tokens: int = 0  # tokens after the first (the first comes out of the prefill)
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    call_steps: int = 0
+    steps: int = 0
+    accepted: int = 0
+    reached_at: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    accepted_at: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    identical: int = 0
+    compared: int = 0
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.seconds - self.prefill_seconds
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted + self.steps) / self.steps if self.steps else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    @property
+    def seconds_per_step(self) -> float:
+        return self.decode_seconds / self.call_steps if self.call_steps else float("nan")
+
+    def acceptance_by_position(self) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self.accepted_at / self.reached_at
+
+    def tau_by_block_position(self) -> np.ndarray:
+        return 1.0 + np.cumsum(self.accepted_at) / self.steps if self.steps else np.full(len(self.accepted_at), np.nan)
+
+
+def totals(rows: list[dict]) -> Totals:
+    t = Totals()
+    calls = {}
+    for r in rows:
+        t.rows += 1
+        t.tokens += r["tokens"]
+        t.decode_tokens += max(r["tokens"] - 1, 0)
+        calls[r["call"]] = (r["call_seconds"], r["call_prefill_seconds"], r["call_steps"])
+        if r.get("steps") is not None:
+            t.steps += r["steps"]
+            t.accepted += r["accepted"]
+            if not len(t.reached_at):
+                t.reached_at, t.accepted_at = np.zeros(len(r["reached_at"])), np.zeros(len(r["accepted_at"]))
+            t.reached_at = t.reached_at + np.asarray(r["reached_at"])
+            t.accepted_at = t.accepted_at + np.asarray(r["accepted_at"])
+        if r.get("identical") is not None:
+            t.compared += 1
+            t.identical += bool(r["identical"])
+    t.seconds = sum(c[0] for c in calls.values())
+    t.prefill_seconds = sum(c[1] for c in calls.values())
+    t.call_steps = sum(c[2] for c in calls.values())
+    return t
+
+
+def group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in rows:
+        out.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return out
+
+
+def speedups(method: Totals, plain: Totals) -> tuple[float, float, float]:
+    """(measured decode speedup, end-to-end speedup, latency-model prediction) of a method over plain decoding."""
+    return (
+        method.decode_tokens_per_s / plain.decode_tokens_per_s,
+        method.tokens_per_s / plain.tokens_per_s,
+        method.tau * plain.seconds_per_step / method.seconds_per_step,
+    )
+
+
+def unit_arrays(rows: list[dict], method: str, units: list) -> dict[str, np.ndarray]:
+    """Per-unit numerators/denominators of tau and decode throughput for one method, in `units` order."""
+    per_unit = group([r for r in rows if r["method"] == method], "unit")
+    sums = [totals(per_unit[(u,)]) for u in units]
+    return {
+        "emitted": np.array([s.accepted + s.steps for s in sums], np.float64),
+        "steps": np.array([s.steps for s in sums], np.float64),
+        "tokens": np.array([s.decode_tokens for s in sums], np.float64),
+        "seconds": np.array([s.decode_seconds for s in sums], np.float64),
+    }
+
+
+def bootstrap_rows(rows: list[dict], drafters: list[str], tasks: list[str], resamples: int, seed: int) -> list[str]:
+    """Markdown table rows: tau and speedup gains of each drafter over each other, per task and overall."""
+    lines = []
+    for scope in [*tasks, "all"]:
+        scoped = rows if scope == "all" else [r for r in rows if r["task"] == scope]
+        units = sorted({r["unit"] for r in scoped})
+        arrays = {m: unit_arrays(scoped, m, units) for m in drafters}
+        for a, b in itertools.combinations(drafters, 2):
+            x, y = arrays[a], arrays[b]
+            tau = paired_bootstrap(x["emitted"], x["steps"], y["emitted"], y["steps"], resamples=resamples, seed=seed)
+            spd = paired_bootstrap(x["tokens"], x["seconds"], y["tokens"], y["seconds"], resamples=resamples, seed=seed)
+            lines.append(f"| {scope} | {a} vs {b} | {len(units)} | {fmt_gain(tau)} | {fmt_gain(spd)} |")
+    return lines
+
+
+def fmt_gain(gain) -> str:
+    return f"{gain.point * 100:+.1f}% [{gain.low * 100:+.1f}, {gain.high * 100:+.1f}]"
+
+
+def fmt(x: float, digits: int = 2) -> str:
+    return "n/a" if x is None or not np.isfinite(x) else f"{x:.{digits}f}"
+
+
+def write_report(out_dir: str, rows: list[dict], meta: dict) -> list[str]:
+    """Write `report.md` and the PNG plots into `out_dir`; returns their paths. `meta` holds `command`, `machine`
+    (dict), `settings` (dict), `target`, `methods` (list of dicts with `name`, `kind`, `k`, `kv_bytes_per_token`,
+    `kv_bytes_peak`; plain decoding first), `bootstrap_resamples` and `seed`."""
+    methods = [m["name"] for m in meta["methods"]]
+    drafters = [m for m in methods if m != PLAIN]
+    tasks = [t for t in TASKS if any(r["task"] == t for r in rows)]
+    by = {key: totals(rs) for key, rs in group(rows, "method", "task").items()}
+    overall = {m: totals([r for r in rows if r["method"] == m]) for m in methods}
+    plain = overall[PLAIN]
+    machine = meta["machine"]
+    greedy = meta["settings"]["temperature"] == 0
+    lines = [
+        f"# Speculative decoding evaluation: {meta['target']}",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"Machine: {machine['cpu']}, {machine['cores']} cores; backend {machine['backend']} ({machine['devices']}); "
+        f"jax {machine['jax']}; dtype {machine['dtype']}; measured read bandwidth "
+        f"{machine.get('read_bandwidth_gbs', 'n/a')} GB/s. Absolute times (tokens/s, ms) are this machine's, "
+        "measured while it may have been shared; ratios come from one run, all methods interleaved prompt by prompt.",
+        "",
+        "Settings: " + ", ".join(f"{k} {v}" for k, v in meta["settings"].items()) + ".",
+        "",
+        "## All tasks",
+        "",
+        "| method | k | tau | tokens/s | speedup | predicted (tau x T_plain / T_step) | end-to-end speedup "
+        f"| ms per step | drafter KV bytes/token | drafter KV peak | {'lossless' if greedy else 'same as plain'} |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in meta["methods"]:
+        t = overall[m["name"]]
+        if m["name"] == PLAIN:
+            cells = ["-", "1.00", fmt(t.tokens_per_s, 1), "1.00x", "-", "1.00x", fmt(t.seconds_per_step * 1e3), "-"]
+            cells += ["-", "-"]
+        else:
+            measured, e2e, predicted = speedups(t, plain)
+            same = f"{t.identical}/{t.compared}"
+            cells = [str(m["k"]), fmt(t.tau), fmt(t.tokens_per_s, 1), f"{fmt(measured)}x", f"{fmt(predicted)}x"]
+            cells += [f"{fmt(e2e)}x", fmt(t.seconds_per_step * 1e3), f"{m['kv_bytes_per_token']:,}"]
+            cells += [f"{m['kv_bytes_peak']:,}", same]
+        lines.append(f"| {m['name']} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Plain decoding: {plain.rows} generations, {plain.tokens} tokens, "
+        f"{fmt(plain.seconds_per_step * 1e3)} ms per forward (T_plain). Drafter KV peak: bytes of the drafter's own "
+        "cache allocated for the largest batch x capacity of the run (H-Spec reads the target's cache: 0).",
+        "",
+        "## Per task",
+        "",
+        "| task | prompts | plain tokens/s | " + " | ".join(f"{m}: tau / speedup / predicted" for m in drafters) + " |",
+        "|---|---|---|" + "---|" * len(drafters),
+    ]
+    for task in tasks:
+        p = by[(PLAIN, task)]
+        cells = []
+        for m in drafters:
+            t = by[(m, task)]
+            measured, _, predicted = speedups(t, p)
+            cells.append(f"{fmt(t.tau)} / {fmt(measured)}x / {fmt(predicted)}x")
+        prompts = len({r["prompt_id"] for r in rows if r["task"] == task})
+        lines.append(f"| {task} | {prompts} | {fmt(p.tokens_per_s, 1)} | " + " | ".join(cells) + " |")
+    k_max = max((len(overall[m].reached_at) for m in drafters), default=0)
+    lines += [
+        "",
+        "## Conditional acceptance by draft index (all tasks; per task below)",
+        "",
+        "| method | task | " + " | ".join(str(i + 1) for i in range(k_max)) + " |",
+        "|---|---|" + "---|" * k_max,
+    ]
+    for m in drafters:
+        for task in ["all", *tasks]:
+            t = overall[m] if task == "all" else by[(m, task)]
+            rates = [fmt(x) for x in t.acceptance_by_position()] + [""] * (k_max - len(t.reached_at))
+            lines.append(f"| {m} | {task} | " + " | ".join(rates) + " |")
+    if len(drafters) >= 2:
+        lines += [
+            "",
+            f"## Paired bootstrap: relative gains between drafters ({meta['bootstrap_resamples']} resamples, 95% CI)",
+            "",
+            "Units (prompts at batch size 1) are resampled jointly for both drafters. Speedup gain = ratio of decode "
+            "throughputs.",
+            "",
+            "| task | drafters | units | tau gain [95% CI] | speedup gain [95% CI] |",
+            "|---|---|---|---|---|",
+            *bootstrap_rows(rows, drafters, tasks, meta["bootstrap_resamples"], meta["seed"]),
+        ]
+    lines += ["", "## Plots", ""] + [f"![{title}]({name})" for name, title in PLOTS.items()]
+    os.makedirs(out_dir, exist_ok=True)
+    report = os.path.join(out_dir, "report.md")
+    with open(report, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return [report, *plot(out_dir, drafters, tasks, by, overall)]
+
+
+def plot(out_dir: str, drafters: list[str], tasks: list[str], by: dict, overall: dict) -> list[str]:
+    """The four PNG plots (see `PLOTS`); returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    x = np.arange(len(tasks) + 1)
+    width = 0.8 / max(len(drafters), 1)
+    labels = [*tasks, "all"]
+
+    def bars(name, value, ylabel, reference):
+        fig, ax = plt.subplots(figsize=(10, 4))
+        for i, m in enumerate(drafters):
+            values = [value(by[(m, t)], by[(PLAIN, t)]) for t in tasks] + [value(overall[m], overall[PLAIN])]
+            ax.bar(x + (i - (len(drafters) - 1) / 2) * width, values, width, label=m)
+        ax.axhline(reference, color="gray", linewidth=0.8)
+        ax.set_xticks(x, labels, rotation=20)
+        ax.set_ylabel(ylabel)
+        ax.set_title(PLOTS[name])
+        ax.legend()
+        save(fig, name)
+
+    def lines(name, curve, ylabel):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for m in drafters:
+            values = curve(overall[m])
+            ax.plot(np.arange(1, len(values) + 1), values, marker="o", label=m)
+        ax.set_xlabel("draft index i in the block")
+        ax.set_ylabel(ylabel)
+        ax.set_title(PLOTS[name] + " (all tasks)")
+        ax.legend()
+        save(fig, name)
+
+    def save(fig, name):
+        fig.tight_layout()
+        path = os.path.join(out_dir, name)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+
+    bars("tau_by_task.png", lambda t, _: t.tau, "tau (tokens per step)", 1.0)
+    lines("acceptance_by_position.png", Totals.acceptance_by_position, "P(draft i accepted | drafts < i accepted)")
+    bars("speedup_by_task.png", lambda t, p: speedups(t, p)[0], "decode speedup over plain (x)", 1.0)
+    lines("tau_by_block_position.png", Totals.tau_by_block_position, "tau with the block cut after draft i")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m eval.report DIR", file=sys.stderr)
+        return 1
+    out_dir = argv[0]
+    try:
+        with open(os.path.join(out_dir, "results.jsonl")) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        with open(os.path.join(out_dir, "meta.json")) as f:
+            meta = json.load(f)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for path in write_report(out_dir, rows, meta):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
