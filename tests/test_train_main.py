@@ -68,7 +68,7 @@ def test_trains_exports_and_resumes_exactly_after_kill(tmp_path):
     proc = run(command(straight, data, *steps))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["tau"] >= 1.0 and "accept_1" in result
+    assert result["resumed_from"] == 0 and result["tau"] >= 1.0 and "accept_1" in result
     reference = losses(straight)
     assert len(reference) == 9 and reference[-1] < reference[0]
     assert os.path.exists(straight / "drafter" / "hspec_drafter.json")
@@ -85,10 +85,11 @@ def test_trains_exports_and_resumes_exactly_after_kill(tmp_path):
     while not os.path.exists(resumed / "checkpoints" / "6") and time.time() < deadline:
         time.sleep(0.2)
     victim.send_signal(signal.SIGKILL)
-    victim.wait()
-    assert os.path.exists(resumed / "checkpoints" / "6")
+    assert victim.wait() == -signal.SIGKILL  # killed, not finished
+    assert os.path.exists(resumed / "checkpoints" / "6") and not os.path.exists(resumed / "checkpoints" / "9")
     proc = run(command(resumed, data, *steps))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["resumed_from"] == 6
     np.testing.assert_allclose(losses(resumed), reference, rtol=1e-6)
 
 

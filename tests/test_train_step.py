@@ -16,7 +16,14 @@ from hspec_jax.models import forward, init_cache, init_params
 from hspec_jax.recipes import drafter_from_recipe, target_config
 from train.losses import LossWeights, recipe_weights
 from train.optim import make_optimizer
-from train.step import StepConfig, TrainState, eval_loss_fn, make_train_step, target_features
+from train.step import (
+    StepConfig,
+    TrainState,
+    block_target_logits,
+    eval_loss_fn,
+    make_train_step,
+    target_features,
+)
 
 RECIPE = importlib.import_module("configs.tiny").get_config()
 TARGET = target_config(RECIPE)
@@ -68,7 +75,7 @@ def setup_state(kind, target_params, train_overrides=None, seed=1):
     for key, value in (train_overrides or {}).items():
         setattr(train, key, value)
     optimizer, schedule = make_optimizer(train, params, drafter)
-    state = TrainState(jnp.int32(0), params, optimizer.init(params), jax.random.key(0))
+    state = TrainState(jnp.int32(0), params, optimizer.init(params), jax.random.key_data(jax.random.key(0)))
     return drafter, vocab, state, optimizer, schedule
 
 
@@ -187,7 +194,8 @@ def test_paper_recipes_build_their_step(name):
     train = recipe.train.copy_and_resolve_references()
     optimizer, schedule = make_optimizer(train, abstract_params, drafter)
     abstract_state = jax.eval_shape(
-        lambda p: TrainState(jnp.int32(0), p, optimizer.init(p), jax.random.key(0)), abstract_params
+        lambda p: TrainState(jnp.int32(0), p, optimizer.init(p), jax.random.key_data(jax.random.key(0))),
+        abstract_params,
     )
     vocab = jax.eval_shape(
         lambda: build_draft_vocab(np.arange(drafter.vocab_size), target.vocab_size, drafter.vocab_size)
@@ -216,3 +224,19 @@ def test_target_features_hold_no_gradient(target_params):
         lambda p: target_features(p, config, jnp.asarray(batch["tokens"]), jnp.asarray(batch["positions"])).fused.sum()
     )(target_params)
     assert all(float(jnp.abs(g).sum()) == 0 for g in jax.tree.leaves(grads))
+
+
+def test_block_targets_are_the_target_logits_one_row_earlier(target_params):
+    """Slot k of the block at anchor a is supervised with the target's logits at row a + k - 1 (the prediction
+    of token a + k), restricted to the draft vocabulary."""
+    drafter, vocab, *_ = setup_state("hspec", target_params)
+    config = StepConfig(TARGET, drafter, LossWeights())
+    batch = packed_batch(batch=1)
+    tokens, positions = jnp.asarray(batch["tokens"]), jnp.asarray(batch["positions"])
+    features = target_features(target_params, config, tokens, positions)
+    anchors = jnp.array([[5, 30]])
+    got = block_target_logits(target_params, TARGET, features.last, anchors, drafter.block_size, vocab)
+    full = forward(target_params, TARGET, tokens, init_cache(TARGET, 1, LENGTH), positions=positions).logits
+    for j, a in enumerate((5, 30)):
+        for k in range(1, drafter.block_size):
+            np.testing.assert_allclose(np.asarray(got[0, j, k]), np.asarray(full[0, a + k - 1, vocab.d2t]), atol=1e-4)

@@ -23,8 +23,9 @@ from train.step import StepConfig, TrainState, make_train_step
 assert jax.device_count() == 8, jax.devices()
 STEPS = 3
 target_params = init_params(TARGET, jax.random.key(0))
-batches = [packed_batch(seed=s, batch=2) for s in range(STEPS)]
-batches = [{k: np.concatenate([b[k]] * 4) for k in BATCH_KEYS} for b in batches]  # 8 rows
+# 8 distinct rows per step (4 pairs of rows with different tokens and anchors)
+pairs = [[packed_batch(seed=10 * step + i, batch=2) for i in range(4)] for step in range(STEPS)]
+batches = [{k: np.concatenate([p[k] for p in step]) for k in BATCH_KEYS} for step in pairs]
 
 results = {}
 MESHES = {"hspec": ("single", "fsdp=8", "data=2,fsdp=2,model=2"), "dspark": ("single", "data=2,fsdp=2,model=2")}

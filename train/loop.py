@@ -65,11 +65,19 @@ def draft_vocabulary(workdir: str, loaded, tokenizer, target, drafter: DrafterCo
     path = os.path.join(workdir, "vocab.npz")
     if os.path.exists(path):
         with np.load(path) as stored:
+            if stored["d2t"].shape[0] != drafter.vocab_size:
+                raise ValueError(
+                    f"{path} holds a draft vocabulary of {stored['d2t'].shape[0]} tokens but the recipe asks for "
+                    f"{drafter.vocab_size}: use a new --workdir"
+                )
             return vocab_from_ids(stored["d2t"], target.vocab_size), stored["supervised_counts"]
     counts = supervised_token_counts(loaded, tokenizer, target.vocab_size)
     vocab = draft_vocab_from_counts(counts, drafter.vocab_size, always=target.eos_token_ids)
     if jax.process_index() == 0:
-        np.savez(path, d2t=np.asarray(vocab.d2t), t2d=np.asarray(vocab.t2d), supervised_counts=counts)
+        partial = path + ".partial.npz"
+        np.savez(partial, d2t=np.asarray(vocab.d2t), t2d=np.asarray(vocab.t2d), supervised_counts=counts)
+        os.replace(partial, path)
+    multihost_utils.sync_global_devices("draft vocabulary written")
     return vocab, counts
 
 
@@ -102,8 +110,14 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
         raise ValueError("set the target to train against: --config.target.path=smollm2|HF dir|.gguf|Orbax dir")
     os.makedirs(workdir, exist_ok=True)
     target, target_params, tokenizer = load_target_and_tokenizer(config.target.path)
-    drafter = drafter_from_recipe(config, target=target)
+    # fp32 master parameters (and so fp32 optimiser moments) whatever the compute dtype.
+    drafter = drafter_from_recipe(config, target=target).replace(param_dtype=jnp.float32)
     mesh = parallel.make_mesh(config.mesh)
+    if mesh.size != jax.device_count():
+        raise ValueError(
+            f"mesh {config.mesh!r} has {mesh.size} devices but the job has {jax.device_count()}: set "
+            f"--config.mesh so that data x fsdp x model covers every device"
+        )
     batch_size = config.train.batch_size
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if batch_size % jax.process_count() or batch_size % shards:
@@ -164,11 +178,12 @@ def global_batch(run: Run, local: dict) -> dict:
     return out
 
 
-def real_tau(run: Run, params: dict) -> dict:
-    """Greedy draft-and-verify on the held-out prompts with the engine: tau and acceptance by position."""
+def real_tau(run: Run, target_params: dict, params: dict) -> dict:
+    """Greedy draft-and-verify on the held-out prompts with the engine, on the training mesh (every process runs
+    it with the same prompts): tau and acceptance by position."""
     tokens, lengths = pad_batch(run.held_out, pad_id=run.target.eos_token_ids[0])
     gen = speculative_generate(
-        run.target_params,
+        target_params,
         run.target,
         params,
         run.drafter,
@@ -178,6 +193,7 @@ def real_tau(run: Run, params: dict) -> dict:
         max_new_tokens=run.config.train.eval_max_new_tokens,
         eos_ids=run.target.eos_token_ids,
         pad_id=run.target.eos_token_ids[0],
+        mesh=run.mesh,
     )
     rates = gen.stats.acceptance_by_position()
     return {"tau": gen.stats.tau(), **{f"accept_{i + 1}": r for i, r in enumerate(rates) if r == r}}
@@ -218,6 +234,14 @@ def scalars(metrics: dict) -> dict:
     return out
 
 
+def _logged_step(line: str) -> int | None:
+    """The step of a metrics.jsonl line, None for a line cut short by a kill."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class MetricsLog:
     """metrics.jsonl (truncated to the resumed step, so a resumed run's log has each step once) and TensorBoard."""
 
@@ -229,9 +253,11 @@ class MetricsLog:
         kept = []
         if os.path.exists(self.path):
             with open(self.path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
-        with open(self.path, "w") as f:
+                kept = [line for line in f if _logged_step(line) is not None and _logged_step(line) <= resume_step]
+        partial = self.path + ".partial"
+        with open(partial, "w") as f:
             f.writelines(kept)
+        os.replace(partial, self.path)
         from tensorboardX import SummaryWriter
 
         self.writer = SummaryWriter(workdir)
@@ -300,7 +326,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
             last["tokens_per_s"] = tokens_done / elapsed
             tokens_done, clock = 0, time.perf_counter()
             if tc.eval_every and (step % tc.eval_every == 0 or step == tc.num_steps) and run.held_out:
-                last.update(real_tau(run, state.params))
+                last.update(real_tau(run, target_params, state.params))
                 clock = time.perf_counter()  # the tau check is not training time
             metrics_log.write(step, last)
             bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
@@ -317,4 +343,4 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     bar.close()
     metrics_log.close()
     manager.close()
-    return last
+    return {"resumed_from": start, **last}

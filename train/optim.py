@@ -2,8 +2,8 @@
 with linear warmup and cosine decay to 0, global-norm clipping, masked to the trainable parameters.
 
 Frozen parameters (the draft lm_head, the q/k norms copied from the target; `drafters/params.py`) get
-`optax.set_to_zero` and therefore no optimiser state at all. Moments are kept in fp32 whatever the
-parameter dtype.
+`optax.set_to_zero` and therefore no optimiser state at all. The moments take the parameters' dtype: train
+with fp32 parameters (`train/loop.py` does, whatever the compute dtype) so they are fp32.
 """
 
 from __future__ import annotations
@@ -22,6 +22,17 @@ def learning_rate_schedule(peak: float, num_steps: int, warmup_fraction: float) 
     """Linear warmup over `warmup_fraction` of the steps (at least one), then half a cosine down to 0."""
     warmup = max(1, round(warmup_fraction * num_steps))
     return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(num_steps, warmup + 1), end_value=0.0)
+
+
+def muon_dimensions(params):
+    """Muon's matrices: every 2-D weight except the depthwise conv kernels (`[K, C]`: independent channels,
+    3-D in PyTorch), which go to AdamW as in the reference; None = AdamW."""
+
+    def spec(key_path, x):
+        names = [str(getattr(k, "key", k)) for k in key_path]
+        return optax.contrib.MuonDimensionNumbers() if x.ndim == 2 and "conv1d" not in names else None
+
+    return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def make_optimizer(train, params: dict, drafter: DrafterConfig):
@@ -44,6 +55,7 @@ def make_optimizer(train, params: dict, drafter: DrafterConfig):
             adam_weight_decay=train.weight_decay,
             adam_learning_rate=schedule,
             consistent_rms=0.2,
+            muon_weight_dimension_numbers=muon_dimensions,
         )
     labels = jax.tree.map(lambda trainable: "train" if trainable else "frozen", trainable_mask(params, drafter))
     partition = optax.multi_transform({"train": inner, "frozen": optax.set_to_zero()}, labels)

@@ -16,8 +16,9 @@ Each batch is a dict of numpy arrays (B = the per-process batch, L = `seq_len`, 
     anchors       [B, A] int32   sorted ascending; unused slots hold 0
     anchor_valid  [B, A] bool
 
-Anchor candidates: positions j with loss_mask[j] and loss_mask[j + 1] in the same document, j >= 1 (an anchor
-at packed index 0 would have no token before it for the seed) and j < L - block_size (the block fits in the
+Anchor candidates: positions j with loss_mask[j] and loss_mask[j + 1] in the same document, j - 1 in that
+document too (H-Spec's seed is read at j - 1; so never packed index 0 nor a document's first token) and
+j < L - block_size (the block fits in the
 row). Up to `max_anchors` are drawn without replacement by a generator seeded with (seed, row index), then
 sorted. A document's start is `anchor - positions[anchor]`. A document longer than `seq_len` keeps its first
 `seq_len` tokens.
@@ -81,7 +82,9 @@ def anchor_candidates(loss_mask: np.ndarray, doc_ids: np.ndarray, block_size: in
     """Positions `[N]` that may anchor a block in one packed row (rules in the module docstring)."""
     length = loss_mask.shape[0]
     j = np.arange(length - 1)
-    ok = loss_mask[:-1] & loss_mask[1:] & (doc_ids[:-1] == doc_ids[1:]) & (j >= 1) & (j < length - block_size)
+    seed_in_doc = np.zeros(length - 1, bool)  # row j - 1 (H-Spec's seed) belongs to the same document
+    seed_in_doc[1:] = doc_ids[:-2] == doc_ids[1:-1]
+    ok = loss_mask[:-1] & loss_mask[1:] & (doc_ids[:-1] == doc_ids[1:]) & seed_in_doc & (j < length - block_size)
     return j[ok]
 
 

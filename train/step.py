@@ -44,7 +44,7 @@ class TrainState(flax.struct.PyTreeNode):
     step: jax.Array
     params: dict
     opt_state: Any
-    rng: jax.Array
+    rng: jax.Array  # raw key data, advanced every step: the stream for any stochastic part of a step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +87,15 @@ def block_mask(batch: dict, anchors: jax.Array, valid: jax.Array, block_size: in
     return valid[..., None] & inside & same_doc & supervised & (jnp.arange(block_size) > 0)
 
 
+def block_target_logits(target_params, target: TargetConfig, last, anchors, block_size: int, vocab: DraftVocab):
+    """The target's logits `[B, A, T, Vd]` over the draft vocabulary for the token at slot k of each block:
+    token a + k is predicted by the target's output at row a + k - 1 (slot 0's row a - 1 is never supervised).
+    last `[B, L, D]` (tap L), anchors `[B, A]`."""
+    rows = jnp.arange(last.shape[0])[:, None, None]
+    source_rows = jnp.clip(anchors[..., None] + jnp.arange(block_size) - 1, 0, last.shape[1] - 1)
+    return output_logits(target_params, target, last[rows, source_rows], vocab.d2t)
+
+
 def chunk_sums(params, target_params, vocab: DraftVocab, config: StepConfig, batch, features, anchors, valid):
     """Loss statistics (`slot_sums`) of the blocks at `anchors [B, A']` (one chunk)."""
     drafter = config.drafter
@@ -107,9 +116,7 @@ def chunk_sums(params, target_params, vocab: DraftVocab, config: StepConfig, bat
         prev_tokens=prev,
     )
     out = draft_blocks(params, drafter, inputs)
-    # The target's distribution for token a + k comes from its output at row a + k - 1.
-    source_rows = jnp.clip(anchors[..., None] + jnp.arange(t) - 1, 0, length - 1)
-    target_logits = output_logits(target_params, config.target, features.last[rows[..., None], source_rows], vocab.d2t)
+    target_logits = block_target_logits(target_params, config.target, features.last, anchors, t, vocab)
     mask = block_mask(batch, anchors, valid, t)
     return slot_sums(out.logits, target_logits, mask, config.weights.gamma, out.confidence)
 
@@ -125,12 +132,17 @@ def chunked(anchors: jax.Array, valid: jax.Array, per_chunk: int):
     return split(anchors), split(valid)
 
 
-def loss_fn(params, target_params, vocab, config: StepConfig, batch, features, frozen_mask):
-    """(loss, metrics) of a batch; parameters outside the trainable mask get no gradient."""
-    params = jax.tree.map(lambda p, train: p if train else jax.lax.stop_gradient(p), params, frozen_mask)
+def loss_fn(params, target_params, vocab, config: StepConfig, batch, features, trainable):
+    """(loss, metrics) of a batch, pooled over all its rows; parameters outside `trainable` get no gradient."""
+    params = jax.tree.map(lambda p, train: p if train else jax.lax.stop_gradient(p), params, trainable)
     body = jax.checkpoint(lambda xs: chunk_sums(params, target_params, vocab, config, batch, features, *xs))
     sums = jax.lax.map(body, chunked(batch["anchors"], batch["anchor_valid"], config.anchors_per_chunk))
     return loss_from_sums(jax.tree.map(lambda x: x.sum(0), sums), config.weights)
+
+
+def _batch_place(mesh, x):
+    """Where a per-row array lives: rows over data x fsdp (and KV heads over model for `[B, S, K, H]` buffers)."""
+    return parallel.kv_sharding(mesh, x.shape) if x.ndim == 4 else parallel.batch_sharding(mesh, x.shape)
 
 
 def make_train_step(config: StepConfig, optimizer: optax.GradientTransformation, schedule=None, mesh=None):
@@ -140,9 +152,7 @@ def make_train_step(config: StepConfig, optimizer: optax.GradientTransformation,
     def step(state: TrainState, target_params, vocab, batch):
         features = target_features(target_params, config, batch["tokens"], batch["positions"])
         if mesh is not None:
-            features = jax.tree.map(
-                lambda x: jax.lax.with_sharding_constraint(x, parallel.batch_sharding(mesh, x.shape)), features
-            )
+            features = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, _batch_place(mesh, x)), features)
         mask = trainable_mask(state.params, config.drafter)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (_, metrics), grads = grad_fn(state.params, target_params, vocab, config, batch, features, mask)
@@ -151,7 +161,8 @@ def make_train_step(config: StepConfig, optimizer: optax.GradientTransformation,
         metrics["grad_norm"] = optax.tree.norm(grads)
         if schedule is not None:
             metrics["learning_rate"] = schedule(state.step)
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
         return new_state, metrics
 
     return jax.jit(step, donate_argnums=(0,))
