@@ -216,13 +216,15 @@ def test_pipeline_batches_packing_and_anchors(chars):
             assert np.all(valid[: valid.sum()])
             for a in chosen:
                 assert a >= 1 and a < 96 - TINY["block_size"] and mask[a] and mask[a + 1] and doc[a] == doc[a + 1]
+                assert doc[a - 1] == doc[a]  # the seed row a - 1 is in the anchor's document
 
 
 def test_anchor_candidates_rules():
     mask = np.array([1, 1, 1, 0, 1, 1, 1, 1, 1, 1], bool)
     doc = np.array([0, 0, 0, 0, 1, 1, 1, 2, 2, -1])
-    # index 0 excluded, 2 (next unsupervised), 6 (next in another document), >= 10 - 3 excluded.
-    assert anchor_candidates(mask, doc, block_size=3).tolist() == [1, 4, 5]
+    # index 0 excluded, 2 (next unsupervised), 4 (first token of its document: the seed row 3 is in another
+    # document), 6 (next in another document), >= 10 - 3 excluded.
+    assert anchor_candidates(mask, doc, block_size=3).tolist() == [1, 5]
 
 
 def test_pipeline_resume_determinism_and_shards(chars):
