@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import PROMPTS, median_time, write_report
-from eval.generate import compile_autoregressive
+from eval.generate import compile_autoregressive, generate_streaming
 from hspec_jax.checkpoints import load_target, load_tokenizer, resolve
 from hspec_jax.decoding import SamplingConfig, chat_prompt_ids, pad_batch
 from hspec_jax.models import forward, init_cache, lm_head_matrix
@@ -105,11 +105,13 @@ def main(argv=None) -> None:
             eos_ids=(),
             pad_id=0,
             seed=0,
+            chunk=n,
         )
         ours = []
         for _ in range(args.repeats):
-            out, _, seconds = run()
-            ours.append(seconds)
+            result = generate_streaming(run)
+            out = result.tokens
+            ours.append(result.seconds)
         with torch.no_grad():
             model.generate(torch.tensor(tokens), max_new_tokens=4, do_sample=False)  # warm-up
             theirs = []
@@ -148,8 +150,10 @@ def main(argv=None) -> None:
             eos_ids=(),
             pad_id=0,
             seed=0,
+            chunk=n,
         )
-        _, num, seconds = min((run() for _ in range(args.repeats)), key=lambda r: r[2])
+        results = [generate_streaming(run) for _ in range(args.repeats)]
+        num, seconds = results[0].num_tokens, min(r.seconds for r in results)
         batch_rows.append(f"| {batch} | {int(num.sum())} | {seconds:.2f} | {num.sum() / seconds:.1f} |")
         print(batch_rows[-1], flush=True)
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import PROMPTS, median_time, write_report
-from eval.generate import compile_autoregressive, compile_speculative
+from eval.generate import compile_autoregressive, compile_speculative, generate_streaming
 from hspec_jax.checkpoints import load_target, load_tokenizer
 from hspec_jax.decoding import SamplingConfig, chat_prompt_ids, pad_batch
 from hspec_jax.drafters import draft_block, init_drafter, init_from_target, propose
@@ -99,20 +99,20 @@ def main(argv=None) -> None:
     rows, per_token, per_step = [], [], {kind: [] for kind in KINDS}
     for text, ids in zip(PROMPTS, prompts, strict=True):
         tokens, lengths = pad_batch([ids])
-        kw = dict(max_new_tokens=n, sampling=GREEDY, eos_ids=(), pad_id=0, seed=0)
+        kw = dict(max_new_tokens=n, sampling=GREEDY, eos_ids=(), pad_id=0, seed=0, chunk=n)
         ar = compile_autoregressive(target_params, target, tokens, lengths, len(ids) + n, **kw)
-        ar_out, _, _ = ar()
-        t_ar = float(np.median([ar()[2] for _ in range(args.repeats)]))
+        ar_out = generate_streaming(ar).tokens
+        t_ar = float(np.median([generate_streaming(ar).seconds for _ in range(args.repeats)]))
         per_token.append(t_ar / n)
         cells = []
         for kind, (config, params, vocab) in drafters.items():
             spec = compile_speculative(
                 target_params, target, params, config, vocab, tokens, lengths, len(ids) + n + k + 1, **kw
             )
-            runs = [spec() for _ in range(args.repeats)]
-            out, _, _, stats = runs[0]
+            runs = [generate_streaming(spec) for _ in range(args.repeats)]
+            out, stats = runs[0].tokens, runs[0].stats
             assert np.array_equal(out, ar_out), f"{kind} changed the greedy output"
-            t_spec = float(np.median([r[2] for r in runs]))
+            t_spec = float(np.median([r.seconds for r in runs]))
             steps = int(stats.steps[0])
             per_step[kind].append(t_spec / steps)
             cells.append(f"{n / t_spec:.1f} ({stats.tau():.2f}, {t_spec / t_ar:.2f}x)")

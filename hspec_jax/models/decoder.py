@@ -21,10 +21,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from hspec_jax.models.blocked_attention import blocked_attention
 from hspec_jax.models.config import TargetConfig
 from hspec_jax.models.kv_cache import KVCache, init_cache, write_rows
 from hspec_jax.models.layers import INIT_STD, MLP, RMSNorm, dense, dot_product_attention
 from hspec_jax.models.rope import apply_rope, inverse_frequencies
+
+# Inputs longer than this (prompts) use `blocked_attention`; decoding and verification steps use the dense form.
+LONG_INPUT = 256
 
 
 class DecoderOutput(NamedTuple):
@@ -95,7 +99,11 @@ class SelfAttention(AttentionProjections):
         k, v = self.key_value(x, positions)
         k_buf = write_rows(k_buf, k, starts)
         v_buf = write_rows(v_buf, v, starts)
-        out = dot_product_attention(q, k_buf, v_buf, causal_mask(positions, k_buf.shape[1], self.window))
+        if x.shape[1] > LONG_INPUT:  # a prompt: never materialise [T, S] scores
+            first = None if self.window is None else positions - self.window + 1
+            out = blocked_attention(q, k_buf, v_buf, positions, first)
+        else:
+            out = dot_product_attention(q, k_buf, v_buf, causal_mask(positions, k_buf.shape[1], self.window))
         return self.output(out), k_buf, v_buf
 
 

@@ -1,0 +1,125 @@
+"""Chunked execution gives the same results as running in one piece: the decoding loops run a few steps at a
+time (for streaming and Ctrl-C), and long inputs go through the key-blocked attention."""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hspec_jax.decoding import SamplingConfig, pad_batch
+from hspec_jax.decoding.autoregressive import decode, decode_chunk, prefill, start_decode
+from hspec_jax.decoding.speculative import spec_decode, spec_decode_chunk, spec_prefill
+from hspec_jax.drafters import init_drafter, init_from_target
+from hspec_jax.drafters.dflash import drafter_context
+from hspec_jax.drafters.vocab import build_draft_vocab
+from hspec_jax.models import init_cache, init_params
+from hspec_jax.recipes import drafter_from_recipe, target_config
+
+RECIPE = importlib.import_module("configs.tiny").get_config()
+TARGET = target_config(RECIPE)
+EOS = (2,)
+NEW = 23
+
+
+@pytest.fixture(scope="module")
+def batch():
+    rng = np.random.default_rng(0)
+    tokens, lengths = pad_batch([list(rng.integers(4, TARGET.vocab_size, n)) for n in (5, 11, 8)])
+    return jnp.asarray(tokens), jnp.asarray(lengths)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(TARGET, jax.random.key(0))
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(1.0, top_k=5)])
+def test_chunked_decoding_equals_one_loop(params, batch, sampling):
+    tokens, lengths = batch
+    kw = dict(max_new_tokens=NEW, sampling=sampling, eos_ids=EOS, pad_id=0)
+    first, loop = jax.random.split(jax.random.key(3))
+
+    def prefilled():
+        return prefill(params, TARGET, tokens, lengths, init_cache(TARGET, 3, 40), first, sampling)
+
+    pre = prefilled()
+    whole = decode(params, TARGET, pre.cache, pre.token, loop, **kw)
+    pre = prefilled()
+    state, cache = start_decode(pre.cache, pre.token, loop, max_new_tokens=NEW, eos_ids=EOS, pad_id=0), pre.cache
+    chunks = 0
+    while not bool(state.done.all()):
+        state, cache = decode_chunk(params, TARGET, state, cache, steps=4, **kw)
+        chunks += 1
+    assert chunks > 1
+    np.testing.assert_array_equal(state.tokens, whole.tokens)
+    np.testing.assert_array_equal(state.num, whole.num_tokens)
+    np.testing.assert_array_equal(cache.lengths, whole.cache.lengths)
+
+
+@pytest.mark.parametrize("kind", ["hspec", "dspark"])
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(1.0)])
+def test_chunked_speculative_decoding_equals_one_loop(params, batch, kind, sampling):
+    tokens, lengths = batch
+    drafter = drafter_from_recipe(RECIPE, kind, TARGET).replace(block_size=4)
+    vocab = build_draft_vocab(np.asarray(tokens), TARGET.vocab_size, drafter.vocab_size, always=EOS)
+    dparams = init_from_target(init_drafter(drafter, jax.random.key(1)), drafter, params, vocab)
+    kw = dict(max_new_tokens=NEW, sampling=sampling, eos_ids=EOS, pad_id=0)
+
+    def prefilled():
+        caches = init_cache(TARGET, 3, 44), drafter_context(drafter, 3, 44)
+        args = (params, TARGET, dparams, drafter, vocab, tokens, lengths, *caches, jax.random.key(5))
+        return spec_prefill(*args, **kw)
+
+    whole = spec_decode(params, TARGET, dparams, drafter, vocab, *prefilled(), **kw)
+    state, cache, context = prefilled()
+    while not bool(state.done.all()):
+        state, cache, context = spec_decode_chunk(
+            params, TARGET, dparams, drafter, vocab, state, cache, context, steps=2, **kw
+        )
+    np.testing.assert_array_equal(state.tokens[:, :NEW], whole.tokens)
+    np.testing.assert_array_equal(state.num, whole.num_tokens)
+    for mine, theirs in zip(state.stats, whole.stats, strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+def test_blocked_attention_equals_dense_attention():
+    from hspec_jax.models.blocked_attention import blocked_attention
+    from hspec_jax.models.decoder import causal_mask
+    from hspec_jax.models.layers import dot_product_attention
+
+    rng = np.random.default_rng(0)
+    b, t, s, n, kv, h = 2, 37, 70, 4, 2, 8
+    q = jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(b, s, kv, h)), jnp.float32) for _ in range(2))
+    positions = jnp.asarray([3, 30])[:, None] + jnp.arange(t)[None]  # ragged starts; rows past S never read
+    for window in (None, 9):
+        dense = dot_product_attention(q, k, v, causal_mask(positions, s, window))
+        first = None if window is None else positions - window + 1
+        blocked = blocked_attention(q, k, v, positions, first, block_q=8, block_k=16)
+        np.testing.assert_allclose(blocked, dense, atol=2e-6)
+
+
+@pytest.mark.parametrize("window", [None, 48])
+def test_long_prompt_logits_equal_two_short_forwards(params, window):
+    """A prompt longer than LONG_INPUT goes through the blocked attention in one forward; split in two halves
+    shorter than LONG_INPUT (dense attention, the second half reading the first from the cache) it must give
+    the same logits and the same cache."""
+    from hspec_jax.models import forward
+    from hspec_jax.models.decoder import LONG_INPUT
+
+    config = (
+        TARGET
+        if window is None
+        else TARGET.replace(layer_types=("sliding_attention", "full_attention") * 3, sliding_window=window)
+    )
+    half = LONG_INPUT - 10
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, TARGET.vocab_size, (2, 2 * half)), jnp.int32)
+    whole = forward(params, config, tokens, init_cache(config, 2, 2 * half + 8))
+    first = forward(params, config, tokens[:, :half], init_cache(config, 2, 2 * half + 8))
+    cache = first.cache.replace(lengths=first.cache.lengths + half)
+    second = forward(params, config, tokens[:, half:], cache)
+    split = jnp.concatenate([first.logits, second.logits], axis=1)
+    np.testing.assert_allclose(whole.logits, split, atol=2e-4)
+    np.testing.assert_allclose(whole.cache.k[-1], second.cache.k[-1], atol=1e-5)
