@@ -25,6 +25,7 @@ the context length, the cache length and the memory the request needs.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import statistics
@@ -293,7 +294,7 @@ def compile_autoregressive(
     loop = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
     pre_c = prefill.lower(params, config, tokens, lengths, fresh_cache(), first_rng, sampling).compile()
     pre = jax.eval_shape(lambda: prefill(params, config, tokens, lengths, fresh_cache(), first_rng, sampling))
-    state = jax.eval_shape(lambda: start_decode(pre.cache, pre.token, loop_rng, **loop))
+    state = jax.eval_shape(functools.partial(start_decode, **loop), pre.cache, pre.token, loop_rng)
     step_c = decode_chunk.lower(params, config, state, pre.cache, steps=chunk, sampling=sampling, **loop).compile()
 
     def start():
@@ -408,6 +409,12 @@ class TextStream:
             self.printed = text
 
 
+def progress(message: str) -> None:
+    """A status line on stderr, for a person watching a terminal (pipes get only results and errors)."""
+    if sys.stderr.isatty():
+        print(message, file=sys.stderr, flush=True)
+
+
 def format_rates(rates: list[float]) -> str:
     """Acceptance rates per draft index, `-` where the index was never reached."""
     return ",".join("-" if np.isnan(r) else f"{r:.2f}" for r in rates)
@@ -427,12 +434,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_args(args)
     with Interrupt() as interrupt:
-        print(f"reading {args.target} (config, tokenizer) ...", file=sys.stderr, flush=True)
+        progress(f"reading {args.target} (config, tokenizer) ...")
         request = interrupt.wait_for(plan, args)
         mesh = parallel.make_mesh(args.mesh)
         mesh = None if mesh.size == 1 else mesh
         config, tokenizer, ids = request.target, request.tokenizer, request.prompt_ids
-        print(f"loading {args.target} ...", file=sys.stderr, flush=True)
+        progress(f"loading {args.target} ...")
         _, params = interrupt.wait_for(load_target, args.target)
         pad_id = config.pad_token_id if config.pad_token_id is not None else 0
         tokens, lengths = pad_batch(ids, pad_id)
@@ -447,11 +454,11 @@ def main(argv: list[str] | None = None) -> int:
             mesh=mesh,
         )
         if request.drafter is None:
-            print("compiling ...", file=sys.stderr, flush=True)
+            progress("compiling ...")
             engine = interrupt.wait_for(compile_autoregressive, params, config, tokens, lengths, request.capacity, **kw)
         else:
             drafter_params, vocab = interrupt.wait_for(load_drafter, args.drafter, request.drafter, params, ids)
-            print("compiling ...", file=sys.stderr, flush=True)
+            progress("compiling ...")
             engine = interrupt.wait_for(
                 compile_speculative,
                 params,

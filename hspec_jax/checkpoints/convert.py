@@ -4,17 +4,21 @@ python -m hspec_jax.checkpoints.convert --from smollm2 --to /tmp/smollm2-orbax
 python -m hspec_jax.checkpoints.convert --from model.gguf --to /tmp/hf-dir --format hf --dtype bfloat16
 
 Every argument is checked before any weights are read: the source exists and its config is readable, the
-destination is absent or empty and writable. The output directory appears only when complete.
+destination is absent or empty, writable, and has room for the weights. The output directory appears only
+when complete; a disk that fills up while writing is reported as "no space left on <dir>".
 """
 
 from __future__ import annotations
 
 import sys
 
+import jax
+
 from hspec_jax.checkpoints.hf import CheckpointError, check_output_directory, export_hf_target
 from hspec_jax.checkpoints.orbax_io import save_target
 from hspec_jax.checkpoints.sources import load_target, load_tokenizer, read_target_config
 from hspec_jax.cli import ArgumentParser, float_dtype, run
+from hspec_jax.models import init_params
 
 
 def parse_args(argv: list[str] | None = None):
@@ -37,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     f = parse_args(argv)
     overrides = {"param_dtype": f.dtype} if f.dtype else {}
     check_output_directory(f.to)
-    read_target_config(f.source, **overrides)
+    config = read_target_config(f.source, **overrides)
+    shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    check_output_directory(f.to, needed_bytes=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
     config, params = load_target(f.source, **overrides)
     try:
         tokenizer = load_tokenizer(f.source)

@@ -301,14 +301,26 @@ def export_hf_target(
             tokenizer.save_pretrained(staging)
 
 
-def check_output_directory(directory: str) -> None:
-    """Refuse, before any work, to write into an existing non-empty directory or where nothing can be written."""
+def _existing_parent(directory: str) -> str:
+    parent = os.path.dirname(os.path.abspath(directory))
+    while not os.path.isdir(parent):
+        parent = os.path.dirname(parent)
+    return parent
+
+
+def check_output_directory(directory: str, needed_bytes: int = 0) -> None:
+    """Refuse, before any work, to write into an existing non-empty directory, where nothing can be written,
+    or where fewer than `needed_bytes` are free."""
     directory = os.path.abspath(directory)
     if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
         raise CheckpointError(f"output directory {directory!r} exists and is not empty")
-    parent = os.path.dirname(directory)
-    while not os.path.isdir(parent):
-        parent = os.path.dirname(parent)
+    parent = _existing_parent(directory)
+    free = shutil.disk_usage(parent).free
+    if needed_bytes > free:
+        raise CheckpointError(
+            f"no space left on {parent}: the checkpoint needs about {needed_bytes / 2**20:.1f} MiB, "
+            f"{free / 2**20:.1f} MiB are free"
+        )
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=parent))
     except OSError as e:

@@ -11,7 +11,9 @@ Restoring checks the stored tree against the config's expected shapes and dtypes
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 
 import jax
@@ -70,9 +72,21 @@ def read_manifest(directory: str, filename: str, fmt: str, what: str) -> dict:
 
 
 def save_pytree(path: str, tree) -> None:
+    """Write an Orbax pytree. A failing write (e.g. a full disk) is raised here with its cause, once Orbax's
+    background threads have stopped; their own log of the same failure (hundreds of lines) is silenced."""
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.CRITICAL)
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(path, tree)
-    checkpointer.wait_until_finished()
+    try:
+        checkpointer.save(path, tree)
+        checkpointer.wait_until_finished()
+    except BaseException:
+        with contextlib.suppress(Exception):  # the write's own error is the one to report
+            checkpointer.close()
+        raise
+    finally:
+        absl_logger.setLevel(level)
 
 
 def restore_pytree(path: str, expected):

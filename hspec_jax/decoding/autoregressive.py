@@ -111,7 +111,7 @@ def _decode_steps(
 _LOOP_STATIC = ("config", "max_new_tokens", "sampling", "eos_ids", "pad_id")
 
 
-@functools.partial(jax.jit, static_argnames=(*_LOOP_STATIC, "steps"), donate_argnames=("state", "cache"))
+@functools.partial(jax.jit, static_argnames=(*_LOOP_STATIC, "steps"), donate_argnames=("cache",))
 def decode_chunk(
     params: dict,
     config: TargetConfig,

@@ -260,7 +260,7 @@ def spec_decode(
     return SpecGeneration(final.tokens[:, :max_new_tokens], final.num, final.stats, cache, context)
 
 
-@functools.partial(jax.jit, static_argnames=(*_ENGINE_STATIC, "steps"), donate_argnames=("state", "cache", "context"))
+@functools.partial(jax.jit, static_argnames=(*_ENGINE_STATIC, "steps"), donate_argnames=("cache", "context"))
 def spec_decode_chunk(
     target_params: dict,
     target: TargetConfig,
