@@ -52,7 +52,14 @@ from hspec_jax.cli import (
 )
 from hspec_jax.decoding import SamplingConfig, chat_prompt_ids, pad_batch
 from hspec_jax.decoding.autoregressive import decode_chunk, prefill, start_decode
-from hspec_jax.decoding.limits import cache_rows, check_cache_length, check_context, check_memory, memory_needed
+from hspec_jax.decoding.limits import (
+    cache_rows,
+    check_cache_length,
+    check_context,
+    check_memory,
+    memory_needed,
+    tree_bytes,
+)
 from hspec_jax.decoding.speculative import SpecStats, spec_decode_chunk, spec_prefill
 from hspec_jax.drafters import DRAFTER_KINDS, init_drafter, init_from_target
 from hspec_jax.drafters.config import check_target
@@ -166,14 +173,8 @@ def plan(args) -> Request:
     check_cache_length(capacity, longest, args.max_new_tokens, lookahead)
     extra = {}
     if drafter is not None:
-        extra["drafter"] = sum(
-            x.size * x.dtype.itemsize
-            for x in jax.tree.leaves(
-                jax.eval_shape(
-                    lambda: (init_drafter(drafter, jax.random.key(0)), drafter_context(drafter, len(ids), capacity))
-                )
-            )
-        )
+        weights = jax.eval_shape(lambda: init_drafter(drafter, jax.random.key(0)))
+        extra["drafter"] = tree_bytes((weights, jax.eval_shape(lambda: drafter_context(drafter, len(ids), capacity))))
     check_memory(memory_needed(target, len(ids), capacity, longest, extra), jax.devices())
     return Request(target, drafter, tokenizer, ids, capacity)
 

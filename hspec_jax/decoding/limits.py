@@ -47,7 +47,8 @@ def check_cache_length(cache_length: int, longest_prompt: int, max_new_tokens: i
         )
 
 
-def _tree_bytes(tree) -> int:
+def tree_bytes(tree) -> int:
+    """Bytes of a pytree of arrays or `jax.eval_shape` shapes."""
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
@@ -56,8 +57,8 @@ def memory_needed(
 ) -> dict[str, int]:
     """Bytes by part: target weights, KV cache, prefill activations (the largest of a layer's intermediates
     for the whole prompt), plus `extra` parts (e.g. a drafter's weights and cache)."""
-    weights = _tree_bytes(jax.eval_shape(lambda: init_params(config, jax.random.key(0))))
-    cache = _tree_bytes(jax.eval_shape(lambda: init_cache(config, batch, capacity)))
+    weights = tree_bytes(jax.eval_shape(lambda: init_params(config, jax.random.key(0))))
+    cache = tree_bytes(jax.eval_shape(lambda: init_cache(config, batch, capacity)))
     per_token = 4 * config.hidden_size + 2 * (config.num_heads + config.num_kv_heads) * config.head_dim
     per_token += 3 * config.intermediate_size
     activations = batch * prompt_width * per_token * 4 + batch * config.vocab_size * 4
