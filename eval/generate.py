@@ -156,7 +156,8 @@ class Request(NamedTuple):
 
 
 def plan(args) -> Request:
-    """Read the target's config and tokenizer, tokenize, and check context, cache length and memory."""
+    """Read the target's config and tokenizer, tokenize, and check context, cache length and memory (on the
+    mesh's devices)."""
     target = read_target_config(args.target)
     tokenizer = load_tokenizer(args.target)
     ids = encode_prompts(tokenizer, args.prompt, args.chat)
@@ -175,7 +176,8 @@ def plan(args) -> Request:
     if drafter is not None:
         weights = jax.eval_shape(lambda: init_drafter(drafter, jax.random.key(0)))
         extra["drafter"] = tree_bytes((weights, jax.eval_shape(lambda: drafter_context(drafter, len(ids), capacity))))
-    check_memory(memory_needed(target, len(ids), capacity, longest, extra), jax.devices())
+    devices = list(parallel.make_mesh(args.mesh).devices.flat)
+    check_memory(memory_needed(target, len(ids), capacity, longest, extra), devices)
     return Request(target, drafter, tokenizer, ids, capacity)
 
 
