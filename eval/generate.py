@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hspec_jax import parallel
@@ -298,7 +299,8 @@ def compile_autoregressive(
     pre_c = prefill.lower(params, config, tokens, lengths, fresh_cache(), first_rng, sampling).compile()
     pre = jax.eval_shape(lambda: prefill(params, config, tokens, lengths, fresh_cache(), first_rng, sampling))
     state = jax.eval_shape(functools.partial(start_decode, **loop), pre.cache, pre.token, loop_rng)
-    step_c = decode_chunk.lower(params, config, state, pre.cache, steps=chunk, sampling=sampling, **loop).compile()
+    steps = jnp.int32(chunk)
+    step_c = decode_chunk.lower(params, config, state, pre.cache, steps, sampling=sampling, **loop).compile()
 
     def start():
         out = pre_c(params, tokens, lengths, jax.block_until_ready(fresh_cache()), first_rng)
@@ -307,7 +309,7 @@ def compile_autoregressive(
     def view(carry):
         return (*jax.device_get((carry[0].tokens, carry[0].num, carry[0].done)), None)
 
-    return Engine(start, lambda carry: step_c(params, *carry), view)
+    return Engine(start, lambda carry: step_c(params, *carry, steps), view)
 
 
 def compile_speculative(
@@ -342,7 +344,8 @@ def compile_speculative(
     models = (target_params, target, drafter_params, drafter, vocab)
     pre_c = spec_prefill.lower(*models, tokens, lengths, *fresh_caches(), rng, **kw).compile()
     carry = jax.eval_shape(lambda: spec_prefill(*models, tokens, lengths, *fresh_caches(), rng, **kw))
-    step_c = spec_decode_chunk.lower(*models, *carry, steps=chunk, **kw).compile()
+    steps = jnp.int32(chunk)
+    step_c = spec_decode_chunk.lower(*models, *carry, steps, **kw).compile()
 
     def start():
         return pre_c(target_params, drafter_params, vocab, tokens, lengths, *jax.block_until_ready(fresh_caches()), rng)
@@ -352,7 +355,7 @@ def compile_speculative(
         tokens, num, done, stats = jax.device_get((s.tokens[:, :max_new_tokens], s.num, s.done, s.stats))
         return tokens, num, done, SpecStats(*stats)
 
-    return Engine(start, lambda carry: step_c(target_params, drafter_params, vocab, *carry), view)
+    return Engine(start, lambda carry: step_c(target_params, drafter_params, vocab, *carry, steps), view)
 
 
 class Interrupt:

@@ -111,21 +111,22 @@ def _decode_steps(
 _LOOP_STATIC = ("config", "max_new_tokens", "sampling", "eos_ids", "pad_id")
 
 
-@functools.partial(jax.jit, static_argnames=(*_LOOP_STATIC, "steps"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=_LOOP_STATIC, donate_argnames=("cache",))
 def decode_chunk(
     params: dict,
     config: TargetConfig,
     state: DecodeState,
     cache: KVCache,
+    steps: int | jax.Array,
     *,
-    steps: int,
     max_new_tokens: int,
     sampling: SamplingConfig = SamplingConfig(),
     eos_ids: tuple[int, ...] = (),
     pad_id: int = 0,
 ) -> tuple[DecodeState, KVCache]:
-    """At most `steps` more decoding steps, for callers that stream tokens or stop between chunks. Chained
-    from `start_decode` until every sequence is done, it gives exactly `decode`'s tokens."""
+    """At most `steps` more decoding steps (traced: one compilation serves every chunk size), for callers that
+    stream tokens or stop between chunks. Chained from `start_decode` until every sequence is done, it gives
+    exactly `decode`'s tokens."""
     return _decode_steps(params, config, state, cache, steps, max_new_tokens, sampling, eos_ids, pad_id)
 
 

@@ -260,7 +260,7 @@ def spec_decode(
     return SpecGeneration(final.tokens[:, :max_new_tokens], final.num, final.stats, cache, context)
 
 
-@functools.partial(jax.jit, static_argnames=(*_ENGINE_STATIC, "steps"), donate_argnames=("cache", "context"))
+@_engine_jit
 def spec_decode_chunk(
     target_params: dict,
     target: TargetConfig,
@@ -270,16 +270,16 @@ def spec_decode_chunk(
     state: SpecState,
     cache: KVCache,
     context: tuple,
+    steps: int | jax.Array,
     *,
-    steps: int,
     max_new_tokens: int,
     sampling: SamplingConfig = SamplingConfig(),
     eos_ids: tuple[int, ...] = (),
     pad_id: int = 0,
 ) -> tuple[SpecState, KVCache, tuple]:
-    """At most `steps` more draft-and-verify steps, for callers that stream or stop between chunks; chained from
-    `spec_prefill` until every sequence is done, it gives exactly `spec_decode`'s tokens and statistics.
-    `state.tokens[:, :max_new_tokens]` and `state.num` are the output so far."""
+    """At most `steps` more draft-and-verify steps (traced: one compilation serves every chunk size), for callers
+    that stream or stop between chunks. Chained from `spec_prefill` until every sequence is done, it gives exactly
+    `spec_decode`'s tokens and statistics; `state.tokens[:, :max_new_tokens]` and `state.num` are the output so far."""
     args = (target_params, target, drafter_params, drafter, vocab, state, cache, context, steps)
     return _spec_steps(*args, max_new_tokens, sampling, eos_ids, pad_id)
 
