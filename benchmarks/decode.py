@@ -105,11 +105,10 @@ def main(argv=None) -> None:
             eos_ids=(),
             pad_id=0,
             seed=0,
-            chunk=n,
         )
         ours = []
         for _ in range(args.repeats):
-            result = generate_streaming(run)
+            result = generate_streaming(run, n)
             out = result.tokens
             ours.append(result.seconds)
         with torch.no_grad():
@@ -150,9 +149,8 @@ def main(argv=None) -> None:
             eos_ids=(),
             pad_id=0,
             seed=0,
-            chunk=n,
         )
-        results = [generate_streaming(run) for _ in range(args.repeats)]
+        results = [generate_streaming(run, n) for _ in range(args.repeats)]
         num, seconds = results[0].num_tokens, min(r.seconds for r in results)
         batch_rows.append(f"| {batch} | {int(num.sum())} | {seconds:.2f} | {num.sum() / seconds:.1f} |")
         print(batch_rows[-1], flush=True)

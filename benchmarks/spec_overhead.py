@@ -99,17 +99,17 @@ def main(argv=None) -> None:
     rows, per_token, per_step = [], [], {kind: [] for kind in KINDS}
     for text, ids in zip(PROMPTS, prompts, strict=True):
         tokens, lengths = pad_batch([ids])
-        kw = dict(max_new_tokens=n, sampling=GREEDY, eos_ids=(), pad_id=0, seed=0, chunk=n)
+        kw = dict(max_new_tokens=n, sampling=GREEDY, eos_ids=(), pad_id=0, seed=0)
         ar = compile_autoregressive(target_params, target, tokens, lengths, len(ids) + n, **kw)
-        ar_out = generate_streaming(ar).tokens
-        t_ar = float(np.median([generate_streaming(ar).seconds for _ in range(args.repeats)]))
+        ar_out = generate_streaming(ar, n).tokens
+        t_ar = float(np.median([generate_streaming(ar, n).seconds for _ in range(args.repeats)]))
         per_token.append(t_ar / n)
         cells = []
         for kind, (config, params, vocab) in drafters.items():
             spec = compile_speculative(
                 target_params, target, params, config, vocab, tokens, lengths, len(ids) + n + k + 1, **kw
             )
-            runs = [generate_streaming(spec) for _ in range(args.repeats)]
+            runs = [generate_streaming(spec, n) for _ in range(args.repeats)]
             out, stats = runs[0].tokens, runs[0].stats
             assert np.array_equal(out, ar_out), f"{kind} changed the greedy output"
             t_spec = float(np.median([r.seconds for r in runs]))

@@ -240,8 +240,9 @@ class Result(NamedTuple):
 
 
 class Engine(NamedTuple):
-    """Ahead-of-time compiled generation: `start()` -> state after prefill; `step(state)` -> state after one more
-    chunk; `view(state)` -> (tokens [B, max_new_tokens], num [B], done [B], stats or None) on the host."""
+    """Ahead-of-time compiled generation: `start()` -> state after prefill; `step(state, steps)` -> state after at
+    most `steps` (an int32 array) more decoding steps; `view(state)` -> (tokens [B, max_new_tokens], num [B],
+    done [B], stats or None) on the host. One compilation serves every chunk size."""
 
     start: Callable
     step: Callable
@@ -249,10 +250,11 @@ class Engine(NamedTuple):
 
 
 def generate_streaming(
-    engine: Engine, on_chunk: Callable | None = None, stop: Callable[[], bool] = lambda: False
+    engine: Engine, chunk: int, on_chunk: Callable | None = None, stop: Callable[[], bool] = lambda: False
 ) -> Result:
-    """One generation, chunk by chunk: `on_chunk(tokens, num)` after prefill and after every chunk; stops
-    early (`interrupted`) when `stop()` turns true between chunks."""
+    """One generation, `chunk` decoding steps at a time: `on_chunk(tokens, num)` after prefill and after every
+    chunk; stops early (`interrupted`) when `stop()` turns true between chunks."""
+    steps = jnp.int32(chunk)
     begin = time.perf_counter()
     state = jax.block_until_ready(engine.start())
     prefill_end = time.perf_counter()
@@ -262,7 +264,7 @@ def generate_streaming(
             on_chunk(tokens, num)
         if done.all() or stop():
             break
-        state = engine.step(state)
+        state = engine.step(state, steps)
         tokens, num, done, stats = engine.view(state)  # waits for the chunk
     end = time.perf_counter()
     return Result(tokens, num, prefill_end - begin, end - prefill_end, stats, not done.all())
@@ -285,9 +287,9 @@ class Placement:
 
 
 def compile_autoregressive(
-    params, config, tokens, lengths, capacity, *, max_new_tokens, sampling, eos_ids, pad_id, seed, chunk, mesh=None
+    params, config, tokens, lengths, capacity, *, max_new_tokens, sampling, eos_ids, pad_id, seed, mesh=None
 ) -> Engine:
-    """Compile prefill and a decoding chunk of `chunk` steps ahead of time; each `start()` uses a fresh cache."""
+    """Compile prefill and a decoding chunk ahead of time; each `start()` uses a fresh cache."""
     first_rng, loop_rng = jax.random.split(jax.random.key(seed))
     place = Placement(mesh, config.head_dim)
     params, (tokens, lengths) = place.params(params), place.batch(tokens, lengths)
@@ -299,8 +301,7 @@ def compile_autoregressive(
     pre_c = prefill.lower(params, config, tokens, lengths, fresh_cache(), first_rng, sampling).compile()
     pre = jax.eval_shape(lambda: prefill(params, config, tokens, lengths, fresh_cache(), first_rng, sampling))
     state = jax.eval_shape(functools.partial(start_decode, **loop), pre.cache, pre.token, loop_rng)
-    steps = jnp.int32(chunk)
-    step_c = decode_chunk.lower(params, config, state, pre.cache, steps, sampling=sampling, **loop).compile()
+    step_c = decode_chunk.lower(params, config, state, pre.cache, jnp.int32(1), sampling=sampling, **loop).compile()
 
     def start():
         out = pre_c(params, tokens, lengths, jax.block_until_ready(fresh_cache()), first_rng)
@@ -309,7 +310,7 @@ def compile_autoregressive(
     def view(carry):
         return (*jax.device_get((carry[0].tokens, carry[0].num, carry[0].done)), None)
 
-    return Engine(start, lambda carry: step_c(params, *carry, steps), view)
+    return Engine(start, lambda carry, steps: step_c(params, *carry, steps), view)
 
 
 def compile_speculative(
@@ -327,7 +328,6 @@ def compile_speculative(
     eos_ids,
     pad_id,
     seed,
-    chunk,
     mesh=None,
 ) -> Engine:
     """As `compile_autoregressive`, for draft-and-verify; `view` also returns the `SpecStats`."""
@@ -344,8 +344,7 @@ def compile_speculative(
     models = (target_params, target, drafter_params, drafter, vocab)
     pre_c = spec_prefill.lower(*models, tokens, lengths, *fresh_caches(), rng, **kw).compile()
     carry = jax.eval_shape(lambda: spec_prefill(*models, tokens, lengths, *fresh_caches(), rng, **kw))
-    steps = jnp.int32(chunk)
-    step_c = spec_decode_chunk.lower(*models, *carry, steps, **kw).compile()
+    step_c = spec_decode_chunk.lower(*models, *carry, jnp.int32(1), **kw).compile()
 
     def start():
         return pre_c(target_params, drafter_params, vocab, tokens, lengths, *jax.block_until_ready(fresh_caches()), rng)
@@ -355,7 +354,7 @@ def compile_speculative(
         tokens, num, done, stats = jax.device_get((s.tokens[:, :max_new_tokens], s.num, s.done, s.stats))
         return tokens, num, done, SpecStats(*stats)
 
-    return Engine(start, lambda carry: step_c(target_params, drafter_params, vocab, *carry, steps), view)
+    return Engine(start, lambda carry, steps: step_c(target_params, drafter_params, vocab, *carry, steps), view)
 
 
 class Interrupt:
@@ -456,7 +455,6 @@ def main(argv: list[str] | None = None) -> int:
             eos_ids=stop_ids(config, tokenizer),
             pad_id=pad_id,
             seed=args.seed,
-            chunk=args.chunk,
             mesh=mesh,
         )
         if request.drafter is None:
@@ -479,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         stream = TextStream(tokenizer) if len(ids) == 1 else None
         stop = lambda: interrupt.requested
-        shown = generate_streaming(engine, stream, stop)
+        shown = generate_streaming(engine, args.chunk, stream, stop)
         if stream is not None:
             print()
         else:
@@ -488,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         if shown.interrupted:
             print(f"interrupted after {int(shown.num_tokens.sum())} tokens", file=sys.stderr)
             return EXIT_INTERRUPTED
-        timed = [generate_streaming(engine, stop=stop) for _ in range(args.repeats)]
+        timed = [generate_streaming(engine, args.chunk, stop=stop) for _ in range(args.repeats)]
         if interrupt.requested:
             print("interrupted while timing", file=sys.stderr)
             return EXIT_INTERRUPTED
