@@ -90,7 +90,8 @@ def main(argv=None) -> None:
         "",
         f"Command: `python -m benchmarks.prefill --lengths {args.lengths} --repeats {args.repeats} "
         f"--dense-up-to {args.dense_up_to}`  ",
-        f"Machine: {cpu_model()} ({platform.machine()}, {os.cpu_count()} CPUs); jax {jax.__version__}, "
+        f"Machine: {cpu_model()} ({platform.machine()}, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f} at the end); jax {jax.__version__}, "
         f"torch {torch.__version__}. Shared machine: compare within this table, not with other days.  ",
         "Batch 1, one prompt of exactly the given length, logits at the last position only, best of the repeats. "
         "hspec-jax: blocked attention (query blocks x key blocks, online softmax); `dense` is the attention it "

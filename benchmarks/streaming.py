@@ -99,7 +99,8 @@ def main(argv=None) -> None:
         "",
         f"Command: `python -m benchmarks.streaming --new-tokens {n} --rounds {args.rounds} --chunks {args.chunks} "
         f"--boundary-calls {args.boundary_calls}`  ",
-        f"Machine: {cpu_model()} ({platform.machine()}, {os.cpu_count()} CPUs); jax {jax.__version__}. "
+        f"Machine: {cpu_model()} ({platform.machine()}, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f} at the end); jax {jax.__version__}. "
         "Shared machine: the rounds interleave all engines; medians over rounds.  ",
         f"Batch 1, greedy, {n} new tokens (EOS ignored); `spec` is draft-and-verify with a random H-Spec drafter "
         f"(k = {drafter.num_drafts}, tau ~ 1, so about one step per token). Decoding time only (prefill excluded). "
