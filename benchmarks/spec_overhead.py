@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import PROMPTS, median_time, write_report
-from eval.generate import compile_autoregressive, compile_speculative
+from eval.generate import compile_autoregressive, compile_speculative, generate_streaming
 from hspec_jax.checkpoints import load_target, load_tokenizer
 from hspec_jax.decoding import SamplingConfig, chat_prompt_ids, pad_batch
 from hspec_jax.drafters import draft_block, init_drafter, init_from_target, propose
@@ -52,7 +52,7 @@ def isolated_step_times(target, target_params, drafters, context: int, repeats: 
         positions = jnp.array([context - k - 1], jnp.int32)[:, None] + jnp.arange(k + 1)
 
         def step(p, c, ctx, config=config, vocab=vocab, taps=taps, positions=positions, block=block):
-            new_context = (taps, positions, positions[:, 0])
+            new_context = (taps, positions) if config.owns_kv_cache else None
             out = draft_block(
                 p,
                 config,
@@ -101,15 +101,15 @@ def main(argv=None) -> None:
         tokens, lengths = pad_batch([ids])
         kw = dict(max_new_tokens=n, sampling=GREEDY, eos_ids=(), pad_id=0, seed=0)
         ar = compile_autoregressive(target_params, target, tokens, lengths, len(ids) + n, **kw)
-        ar_out = ar().tokens
-        t_ar = float(np.median([ar().seconds for _ in range(args.repeats)]))
+        ar_out = generate_streaming(ar, n).tokens
+        t_ar = float(np.median([generate_streaming(ar, n).seconds for _ in range(args.repeats)]))
         per_token.append(t_ar / n)
         cells = []
         for kind, (config, params, vocab) in drafters.items():
             spec = compile_speculative(
                 target_params, target, params, config, vocab, tokens, lengths, len(ids) + n + k + 1, **kw
             )
-            runs = [spec() for _ in range(args.repeats)]
+            runs = [generate_streaming(spec, n) for _ in range(args.repeats)]
             out, stats = runs[0].tokens, runs[0].stats
             assert np.array_equal(out, ar_out), f"{kind} changed the greedy output"
             t_spec = float(np.median([r.seconds for r in runs]))

@@ -1,1 +1,1 @@
-"""Recipe files (`ml_collections`), one per target: `python -m train.main --config=configs/llama.py`."""
+"""Recipe files (`ml_collections` `get_config()`), one per target; load them with `hspec_jax.recipes.load_config`."""

@@ -3,69 +3,110 @@
     python -m eval.generate --target smollm2 --prompt "Why is the sky blue?" --max-new-tokens 64
     python -m eval.generate --target smollm2 --drafter random:hspec --prompt "Hi" [--k 7] [--mesh data=1,model=1]
 
-Prints each completion, then `decode: <n> tokens in <s> s (<tok/s> tok/s)`: n is the number of new
-tokens over the whole batch, s the wall time of prefill plus decoding, measured after compilation
-(both jitted functions are compiled ahead of time, before the clock starts). With a drafter it then prints
-`spec: tau=<mean accepted length> steps=<n> accept_by_position=<rates>` (the conditional acceptance
-rate of each draft index, given all earlier drafts were accepted).
+The answer streams as it is produced (one prompt; a batch prints each completion at the end): decoding runs
+on device in chunks of `--chunk` steps with the caches donated between chunks. Ctrl-C stops within a chunk,
+prints what was generated and exits 130. Then come the speed lines:
+
+    prefill: <prompt tokens> tokens in <s> s (<tok/s> tok/s)
+    decode: <n> tokens in <s> s (<tok/s> tok/s)
+    timed: <which run was timed>
+
+`prefill` is the prompt pass (it also yields each sequence's first token); `decode` the tokens after it. Both
+functions are compiled ahead of time, so no compilation is on the clock; the times are the median of
+`--repeats` warm runs after the printed one (or the printed run itself with `--repeats 0`). With a drafter
+a last line gives `spec: tau=<mean accepted length> steps=<n> accept_by_position=<rates>`, the conditional
+acceptance rate of each draft index given all earlier drafts were accepted (`-`: never reached).
 
 `--drafter` takes a drafter checkpoint directory or `random:<kind>` (a randomly initialised drafter of that
 kind under the target's recipe, useful for lossless checks; kinds: hspec, hspec_kv_only, hspec_last_token,
-dflash, dspark, dflash_target_kv).
+dflash, dspark, dflash_target_kv). Every argument is checked before any weights are loaded, together with
+the context length, the cache length and the memory the request needs.
 """
 
 from __future__ import annotations
 
-import argparse
+import functools
 import os
+import signal
+import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hspec_jax import parallel
-from hspec_jax.checkpoints import CheckpointError, load_target, load_tokenizer
-from hspec_jax.checkpoints.drafter_io import restore_drafter
+from hspec_jax.checkpoints import load_target, load_tokenizer, read_target_config, resolve
+from hspec_jax.checkpoints.drafter_io import read_drafter_config, restore_drafter
+from hspec_jax.cli import (
+    EXIT_INTERRUPTED,
+    ArgumentParser,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    probability,
+    run,
+)
 from hspec_jax.decoding import SamplingConfig, chat_prompt_ids, pad_batch
-from hspec_jax.decoding.autoregressive import decode, prefill
-from hspec_jax.decoding.speculative import SpecStats, spec_decode, spec_prefill
+from hspec_jax.decoding.autoregressive import decode_chunk, prefill, start_decode
+from hspec_jax.decoding.limits import (
+    cache_rows,
+    check_cache_length,
+    check_context,
+    check_memory,
+    memory_needed,
+    tree_bytes,
+)
+from hspec_jax.decoding.speculative import SpecStats, spec_decode_chunk, spec_prefill
 from hspec_jax.drafters import DRAFTER_KINDS, init_drafter, init_from_target
 from hspec_jax.drafters.config import check_target
 from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.drafters.vocab import build_draft_vocab
-from hspec_jax.models import check_capacity, init_cache
+from hspec_jax.errors import InputError
+from hspec_jax.models import init_cache
+from hspec_jax.recipes import drafter_from_recipe, load_config
 
-DEFAULT_RECIPES = {"smollm2": "configs/smollm2.py"}
+DEFAULT_RECIPES = {"smollm2": "smollm2"}
+MAX_K = 15
+# Decoding steps per streamed chunk: the overhead against one uninterrupted loop is measured in
+# benchmarks/results/streaming.md (python -m benchmarks.streaming).
+DEFAULT_CHUNK = 8
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m eval.generate", description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None = None):
+    parser = ArgumentParser(prog="python -m eval.generate", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--target", default="smollm2", help="smollm2 (embedded), an HF directory, a .gguf file or an Orbax target"
     )
     parser.add_argument(
         "--prompt", action="append", required=True, help="user message; repeat the flag for a ragged batch"
     )
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt")
     parser.add_argument("--drafter", default=None, help="drafter checkpoint directory, or random:<kind>")
     parser.add_argument(
-        "--recipe",
-        default=None,
-        help="recipe file for random:<kind> drafters (default: configs/smollm2.py for smollm2)",
+        "--recipe", default=None, help="recipe name or file for random:<kind> drafters (default: smollm2's)"
     )
-    parser.add_argument("--k", type=int, default=None, help="drafted tokens per step, 1..15 (default: the drafter's)")
+    parser.add_argument(
+        "--k", type=positive_int, default=None, help=f"drafted tokens per step, 1..{MAX_K} (default: the drafter's)"
+    )
     parser.add_argument("--mesh", default="data=1,model=1", help="device mesh, e.g. data=2,model=4")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
-    parser.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=probability, default=1.0, help="in (0, 1]; 1.0 = off")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument(
         "--cache-length",
-        type=int,
+        type=positive_int,
         default=None,
-        help="KV cache rows per sequence (default: longest prompt + max new tokens [+ k + 1])",
+        help="KV cache rows per sequence (default and minimum: longest prompt + max new tokens [+ k + 1])",
+    )
+    parser.add_argument("--chunk", type=positive_int, default=DEFAULT_CHUNK, help="decoding steps per streamed chunk")
+    parser.add_argument(
+        "--repeats", type=non_negative_int, default=1, help="warm runs to time after the printed one (0: time it)"
     )
     parser.add_argument(
         "--no-chat",
@@ -74,6 +115,89 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="tokenize prompts as plain text instead of applying the chat template",
     )
     return parser.parse_args(argv)
+
+
+def check_args(args) -> None:
+    """Every check that needs no weights and no tokenizer: argument combinations, paths, the mesh."""
+    if args.k is not None and args.drafter is None:
+        raise InputError("--k sets the drafted tokens per step: it needs --drafter")
+    if args.k is not None and args.k > MAX_K:
+        raise InputError(f"--k must be in 1..{MAX_K}, got {args.k}")
+    random_drafter = args.drafter is not None and args.drafter.startswith("random:")
+    if args.recipe is not None and not random_drafter:
+        raise InputError("--recipe builds random:<kind> drafters: it needs --drafter random:<kind>")
+    if not args.chat and any(not p for p in args.prompt):
+        raise InputError("--prompt must not be empty")
+    if random_drafter:
+        kind = args.drafter.split(":", 1)[1]
+        if kind not in DRAFTER_KINDS:
+            raise InputError(f"unknown drafter kind {kind!r}; choose from {', '.join(DRAFTER_KINDS)}")
+        if args.recipe is None and args.target not in DEFAULT_RECIPES:
+            raise InputError("a random drafter for this target needs --recipe <name or configs/<name>.py>")
+        load_config(args.recipe or DEFAULT_RECIPES[args.target])
+    elif args.drafter is not None:
+        if not os.path.isdir(args.drafter):
+            raise InputError(f"drafter {args.drafter!r} is neither random:<kind> nor a checkpoint directory")
+        read_drafter_config(args.drafter)
+    try:
+        parallel.make_mesh(args.mesh)
+    except ValueError as e:
+        raise InputError(f"--mesh: {e}") from None
+    resolve(args.target)
+
+
+class Request(NamedTuple):
+    """A checked generation request: everything decided before the weights are loaded."""
+
+    target: object  # TargetConfig
+    drafter: object | None  # DrafterConfig
+    tokenizer: object
+    prompt_ids: list[list[int]]
+    capacity: int
+
+
+def plan(args) -> Request:
+    """Read the target's config and tokenizer, tokenize, and check context, cache length and memory (on the
+    mesh's devices)."""
+    target = read_target_config(args.target)
+    tokenizer = load_tokenizer(args.target)
+    ids = encode_prompts(tokenizer, args.prompt, args.chat)
+    if any(not p for p in ids):
+        raise InputError("a prompt tokenized to nothing")
+    top = max(max(p) for p in ids)
+    if top >= target.vocab_size:
+        raise InputError(f"the tokenizer gives id {top}, outside the model's vocabulary of {target.vocab_size}")
+    drafter = drafter_config(args, target)
+    longest = max(len(p) for p in ids)
+    check_context(target, longest, args.max_new_tokens)
+    lookahead = drafter.block_size if drafter else 0
+    capacity = args.cache_length or cache_rows(longest, args.max_new_tokens, lookahead)
+    check_cache_length(capacity, longest, args.max_new_tokens, lookahead)
+    extra = {}
+    if drafter is not None:
+        weights = jax.eval_shape(lambda: init_drafter(drafter, jax.random.key(0)))
+        extra["drafter"] = tree_bytes((weights, jax.eval_shape(lambda: drafter_context(drafter, len(ids), capacity))))
+    devices = list(parallel.make_mesh(args.mesh).devices.flat)
+    check_memory(memory_needed(target, len(ids), capacity, longest, extra), devices)
+    return Request(target, drafter, tokenizer, ids, capacity)
+
+
+def drafter_config(args, target):
+    """The drafter's config (no weights) for `target`, with `--k` applied; None without `--drafter`."""
+    if args.drafter is None:
+        return None
+    if args.drafter.startswith("random:"):
+        config = drafter_from_recipe(
+            load_config(args.recipe or DEFAULT_RECIPES[args.target]), args.drafter.split(":", 1)[1], target
+        )
+    else:
+        config = read_drafter_config(args.drafter)
+    try:
+        check_target(config, target)
+        config = config.replace(target=target)
+        return config if args.k is None else config.replace(block_size=args.k + 1)
+    except ValueError as e:
+        raise InputError(f"--drafter {args.drafter}: {e}") from None
 
 
 def encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
@@ -89,101 +213,67 @@ def stop_ids(config, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-class Timed(NamedTuple):
-    """One generation timed after compilation: wall seconds of prefill + decode, and of the prefill alone."""
+def load_drafter(spec: str, config, target_params, prompt_ids) -> tuple[dict, object]:
+    """(params, draft vocabulary) of the drafter whose config `drafter_config` built."""
+    if spec.startswith("random:"):
+        # The draft vocabulary of an untrained drafter: the prompt's tokens, then the lowest ids.
+        target = config.target
+        stream = np.concatenate(prompt_ids)
+        vocab = build_draft_vocab(stream, target.vocab_size, config.vocab_size, always=target.eos_token_ids)
+        return init_from_target(init_drafter(config, jax.random.key(0)), config, target_params, vocab), vocab
+    _, params, vocab = restore_drafter(spec, config.target)
+    return params, vocab
 
+
+class Result(NamedTuple):
     tokens: np.ndarray  # [B, max_new_tokens]
     num_tokens: np.ndarray  # [B]
-    seconds: float
     prefill_seconds: float
-    stats: SpecStats | None = None  # speculative runs only
+    decode_seconds: float
+    stats: SpecStats | None  # with a drafter
+    interrupted: bool
+
+    @property
+    def seconds(self) -> float:
+        """Prefill plus decoding."""
+        return self.prefill_seconds + self.decode_seconds
 
 
-def _timed(first, then):
-    """(then(first()), seconds of both, seconds of first) on the wall clock, blocking until each result is ready."""
-    start = time.perf_counter()
-    pre = jax.block_until_ready(first())
-    middle = time.perf_counter()
-    out = jax.block_until_ready(then(pre))
-    return out, time.perf_counter() - start, middle - start
+class Engine(NamedTuple):
+    """Ahead-of-time compiled generation: `start(prompts=None, seed=None)` -> state after prefill (of the compiled
+    prompts and seed, or of new `(tokens, lengths)` of the same shape and a new seed); `step(state, steps)` ->
+    state after at most `steps` (an int32 array) more decoding steps; `view(state)` -> (tokens
+    [B, max_new_tokens], num [B], done [B], stats or None) on the host. One compilation serves every chunk size."""
+
+    start: Callable
+    step: Callable
+    view: Callable
 
 
-def compile_autoregressive(
-    params, config, tokens, lengths, capacity, *, max_new_tokens, sampling, eos_ids, pad_id, seed, mesh=None
-):
-    """Compile prefill + decode ahead of time for the shapes of `tokens [B, T]` and `capacity`. Returns
-    `run(new_tokens=None, new_lengths=None, new_seed=None) -> Timed`: one generation (fresh cache each call) timed
-    without any compilation on the clock, for the compiled prompts or new ones of the same shape (and seed)."""
-    place = Placement(mesh, config.head_dim)
-    params = place.params(params)
-    first_rng, loop_rng = jax.random.split(jax.random.key(seed))
-    batch = place.batch(tokens, lengths)
-    cache = place.kv(init_cache(config, tokens.shape[0], capacity))
-    pre_c = prefill.lower(params, config, *batch, cache, first_rng, sampling).compile()
-    pre_shape = jax.eval_shape(lambda: prefill(params, config, *batch, cache, first_rng, sampling))
-    dec_kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
-    dec_c = decode.lower(params, config, pre_shape.cache, pre_shape.token, loop_rng, **dec_kw).compile()
-
-    def run(new_tokens=None, new_lengths=None, new_seed=None) -> Timed:
-        prompts, prompt_lengths = batch if new_tokens is None else place.batch(new_tokens, new_lengths)
-        first, loop = (first_rng, loop_rng) if new_seed is None else jax.random.split(jax.random.key(new_seed))
-        fresh = jax.block_until_ready(place.kv(init_cache(config, tokens.shape[0], capacity)))
-        out, seconds, prefill_seconds = _timed(
-            lambda: pre_c(params, prompts, prompt_lengths, fresh, first),
-            lambda pre: dec_c(params, pre.cache, pre.token, loop),
-        )
-        return Timed(np.asarray(out.tokens), np.asarray(out.num_tokens), seconds, prefill_seconds)
-
-    return run
-
-
-def compile_speculative(
-    target_params,
-    target,
-    drafter_params,
-    drafter,
-    vocab,
-    tokens,
-    lengths,
-    capacity,
-    *,
-    max_new_tokens,
-    sampling,
-    eos_ids,
-    pad_id,
-    seed,
-    mesh=None,
-):
-    """As `compile_autoregressive`, for draft-and-verify; the `Timed` result carries the `SpecStats`."""
-    place = Placement(mesh, target.head_dim)
-    target_params, drafter_params = place.params(target_params), place.params(drafter_params)
-    batch = place.batch(tokens, lengths)
-
-    def fresh_caches():
-        size = tokens.shape[0]
-        return place.kv((init_cache(target, size, capacity), drafter_context(drafter, size, capacity)))
-
-    kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
-    cache, context = fresh_caches()
-    rng = jax.random.key(seed)
-    args = (target_params, target, drafter_params, drafter, vocab, *batch, cache, context, rng)
-    pre_c = spec_prefill.lower(*args, **kw).compile()
-    state, cache_s, context_s = jax.eval_shape(lambda: spec_prefill(*args, **kw))
-    dec_c = spec_decode.lower(
-        target_params, target, drafter_params, drafter, vocab, state, cache_s, context_s, **kw
-    ).compile()
-
-    def run(new_tokens=None, new_lengths=None, new_seed=None) -> Timed:
-        prompts, prompt_lengths = batch if new_tokens is None else place.batch(new_tokens, new_lengths)
-        key = rng if new_seed is None else jax.random.key(new_seed)
-        cache, context = jax.block_until_ready(fresh_caches())
-        out, seconds, prefill_seconds = _timed(
-            lambda: pre_c(target_params, drafter_params, vocab, prompts, prompt_lengths, cache, context, key),
-            lambda pre: dec_c(target_params, drafter_params, vocab, *pre),
-        )
-        return Timed(np.asarray(out.tokens), np.asarray(out.num_tokens), seconds, prefill_seconds, out.stats)
-
-    return run
+def generate_streaming(
+    engine: Engine,
+    chunk: int,
+    on_chunk: Callable | None = None,
+    stop: Callable[[], bool] = lambda: False,
+    prompts: tuple | None = None,
+    seed: int | None = None,
+) -> Result:
+    """One generation, `chunk` decoding steps at a time: `on_chunk(tokens, num)` after prefill and after every
+    chunk; stops early (`interrupted`) when `stop()` turns true between chunks. `prompts` / `seed`: see `Engine`."""
+    steps = jnp.int32(chunk)
+    begin = time.perf_counter()
+    state = jax.block_until_ready(engine.start(prompts, seed))
+    prefill_end = time.perf_counter()
+    tokens, num, done, stats = engine.view(state)
+    while True:
+        if on_chunk is not None:
+            on_chunk(tokens, num)
+        if done.all() or stop():
+            break
+        state = engine.step(state, steps)
+        tokens, num, done, stats = engine.view(state)  # waits for the chunk
+    end = time.perf_counter()
+    return Result(tokens, num, prefill_end - begin, end - prefill_end, stats, not done.all())
 
 
 class Placement:
@@ -202,90 +292,232 @@ class Placement:
         return tree if self.mesh is None else parallel.shard_kv(self.mesh, tree)
 
 
-def check_drafter_args(spec: str | None, k: int | None) -> None:
-    """Fail fast, before any model is loaded, on a drafter spec or k that cannot work."""
-    if k is not None and not 1 <= k <= 15:
-        raise ValueError(f"--k must be in 1..15, got {k}")
-    if spec is None:
-        return
-    if spec.startswith("random:"):
-        kind = spec.split(":", 1)[1]
-        if kind not in DRAFTER_KINDS:
-            raise ValueError(f"unknown drafter kind {kind!r}; choose from {', '.join(DRAFTER_KINDS)}")
-    elif not os.path.isdir(spec):
-        raise CheckpointError(f"drafter {spec!r} is neither random:<kind> nor a checkpoint directory")
+def compile_autoregressive(
+    params, config, tokens, lengths, capacity, *, max_new_tokens, sampling, eos_ids, pad_id, seed, mesh=None
+) -> Engine:
+    """Compile prefill and a decoding chunk ahead of time; each `start()` uses a fresh cache."""
+    first_rng, loop_rng = jax.random.split(jax.random.key(seed))
+    place = Placement(mesh, config.head_dim)
+    params, (tokens, lengths) = place.params(params), place.batch(tokens, lengths)
+
+    def fresh_cache():
+        return place.kv(init_cache(config, tokens.shape[0], capacity))
+
+    loop = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
+    pre_c = prefill.lower(params, config, tokens, lengths, fresh_cache(), first_rng, sampling).compile()
+    pre = jax.eval_shape(lambda: prefill(params, config, tokens, lengths, fresh_cache(), first_rng, sampling))
+    state = jax.eval_shape(functools.partial(start_decode, **loop), pre.cache, pre.token, loop_rng)
+    step_c = decode_chunk.lower(params, config, state, pre.cache, jnp.int32(1), sampling=sampling, **loop).compile()
+
+    def start(prompts=None, seed=None):
+        prompts = (tokens, lengths) if prompts is None else place.batch(*prompts)
+        first, then = (first_rng, loop_rng) if seed is None else jax.random.split(jax.random.key(seed))
+        out = pre_c(params, *prompts, jax.block_until_ready(fresh_cache()), first)
+        return start_decode(out.cache, out.token, then, **loop), out.cache
+
+    def view(carry):
+        return (*jax.device_get((carry[0].tokens, carry[0].num, carry[0].done)), None)
+
+    return Engine(start, lambda carry, steps: step_c(params, *carry, steps), view)
 
 
-def build_drafter(spec: str, target_spec: str, target, target_params, recipe_path, prompt_ids, k):
-    """(config, params, vocab) from a checkpoint directory or `random:<kind>` (checked by `check_drafter_args`)."""
-    if spec.startswith("random:"):
-        from hspec_jax.recipes import drafter_from_recipe, load_config
+def compile_speculative(
+    target_params,
+    target,
+    drafter_params,
+    drafter,
+    vocab,
+    tokens,
+    lengths,
+    capacity,
+    *,
+    max_new_tokens,
+    sampling,
+    eos_ids,
+    pad_id,
+    seed,
+    mesh=None,
+) -> Engine:
+    """As `compile_autoregressive`, for draft-and-verify; `view` also returns the `SpecStats`."""
+    rng = jax.random.key(seed)
+    place = Placement(mesh, target.head_dim)
+    target_params, drafter_params = place.params(target_params), place.params(drafter_params)
+    tokens, lengths = place.batch(tokens, lengths)
 
-        kind = spec.split(":", 1)[1]
-        recipe_path = recipe_path or DEFAULT_RECIPES.get(target_spec)
-        if recipe_path is None:
-            raise ValueError("a random drafter for this target needs --recipe configs/<name>.py")
-        config = drafter_from_recipe(load_config(recipe_path), kind, target)
-        check_target(config, target)
-        # The draft vocabulary of an untrained drafter: the prompt's tokens, then the lowest ids.
-        vocab = build_draft_vocab(
-            np.concatenate(prompt_ids), target.vocab_size, config.vocab_size, always=target.eos_token_ids
-        )
-        params = init_from_target(init_drafter(config, jax.random.key(0)), config, target_params, vocab)
-    else:
-        config, params, vocab = restore_drafter(spec, target)
-    if k is not None:
-        config = config.replace(block_size=k + 1)
-    return config, params, vocab
+    def fresh_caches():
+        batch = tokens.shape[0]
+        return place.kv((init_cache(target, batch, capacity), drafter_context(drafter, batch, capacity)))
+
+    kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
+    models = (target_params, target, drafter_params, drafter, vocab)
+    pre_c = spec_prefill.lower(*models, tokens, lengths, *fresh_caches(), rng, **kw).compile()
+    carry = jax.eval_shape(lambda: spec_prefill(*models, tokens, lengths, *fresh_caches(), rng, **kw))
+    step_c = spec_decode_chunk.lower(*models, *carry, jnp.int32(1), **kw).compile()
+
+    def start(prompts=None, seed=None):
+        prompts = (tokens, lengths) if prompts is None else place.batch(*prompts)
+        key = rng if seed is None else jax.random.key(seed)
+        return pre_c(target_params, drafter_params, vocab, *prompts, *jax.block_until_ready(fresh_caches()), key)
+
+    def view(carry):
+        s = carry[0]
+        tokens, num, done, stats = jax.device_get((s.tokens[:, :max_new_tokens], s.num, s.done, s.stats))
+        return tokens, num, done, SpecStats(*stats)
+
+    return Engine(start, lambda carry, steps: step_c(target_params, drafter_params, vocab, *carry, steps), view)
+
+
+class Interrupt:
+    """Ctrl-C as a flag checked between chunks (the first press), or an immediate exit (a second press, or
+    any press while `waiting` on loading/compilation, which runs in a worker thread for that reason)."""
+
+    def __init__(self):
+        self.requested = False
+        self.waiting = False
+
+    def __enter__(self):
+        self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+
+    def _handle(self, signum, frame):
+        if self.waiting or self.requested:
+            sys.stdout.flush()
+            print("\ninterrupted", file=sys.stderr, flush=True)
+            os._exit(EXIT_INTERRUPTED)
+        self.requested = True
+
+    def wait_for(self, fn: Callable, *args, **kwargs):
+        """Run `fn` in a worker thread so that Ctrl-C, handled by the main thread, can exit at once."""
+        out = {}
+
+        def work():
+            try:
+                out["value"] = fn(*args, **kwargs)
+            except BaseException as e:  # re-raised in the main thread
+                out["error"] = e
+
+        worker = threading.Thread(target=work, daemon=True)
+        self.waiting = True
+        worker.start()
+        while worker.is_alive():
+            worker.join(0.05)
+        self.waiting = False
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
+
+
+class TextStream:
+    """Print one sequence's text as its tokens arrive (holding back a partial multi-byte character)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.printed = tokenizer, ""
+
+    def __call__(self, tokens, num):
+        text = self.tokenizer.decode(tokens[0, : num[0]], skip_special_tokens=True).rstrip("\ufffd")
+        if text.startswith(self.printed) and len(text) > len(self.printed):
+            sys.stdout.write(text[len(self.printed) :])
+            sys.stdout.flush()
+            self.printed = text
+
+
+def progress(message: str) -> None:
+    """A status line on stderr, for a person watching a terminal (pipes get only results and errors)."""
+    if sys.stderr.isatty():
+        print(message, file=sys.stderr, flush=True)
+
+
+def format_rates(rates: list[float]) -> str:
+    """Acceptance rates per draft index, `-` where the index was never reached."""
+    return ",".join("-" if np.isnan(r) else f"{r:.2f}" for r in rates)
+
+
+def speed_lines(prompt_tokens: int, result: Result, batch: int, timed: str) -> list[str]:
+    decoded = int(result.num_tokens.sum()) - batch
+    pre, dec = result.prefill_seconds, result.decode_seconds
+    return [
+        f"prefill: {prompt_tokens} tokens in {pre:.3f} s ({prompt_tokens / pre:.1f} tok/s)",
+        f"decode: {decoded} tokens in {dec:.3f} s ({decoded / dec if dec else 0.0:.1f} tok/s)",
+        f"timed: {timed}",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        check_drafter_args(args.drafter, args.k)
+    check_args(args)
+    with Interrupt() as interrupt:
+        progress(f"reading {args.target} (config, tokenizer) ...")
+        request = interrupt.wait_for(plan, args)
         mesh = parallel.make_mesh(args.mesh)
         mesh = None if mesh.size == 1 else mesh
-        config, params = load_target(args.target)
-        tokenizer = load_tokenizer(args.target)
+        config, tokenizer, ids = request.target, request.tokenizer, request.prompt_ids
+        progress(f"loading {args.target} ...")
+        _, params = interrupt.wait_for(load_target, args.target)
         pad_id = config.pad_token_id if config.pad_token_id is not None else 0
-        ids = encode_prompts(tokenizer, args.prompt, args.chat)
-        drafter = None
-        if args.drafter:
-            drafter = build_drafter(args.drafter, args.target, config, params, args.recipe, ids, args.k)
-        lookahead = drafter[0].block_size if drafter else 1
         tokens, lengths = pad_batch(ids, pad_id)
-        capacity = args.cache_length or int(lengths.max()) + args.max_new_tokens + lookahead
-        check_capacity(lengths, lookahead, capacity)
-    except (CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    kw = dict(
-        max_new_tokens=args.max_new_tokens,
-        sampling=sampling,
-        eos_ids=stop_ids(config, tokenizer),
-        pad_id=pad_id,
-        seed=args.seed,
-        mesh=mesh,
-    )
-    if drafter is None:
-        result = compile_autoregressive(params, config, tokens, lengths, capacity, **kw)()
-    else:
-        drafter_config, drafter_params, vocab = drafter
-        run = compile_speculative(
-            params, config, drafter_params, drafter_config, vocab, tokens, lengths, capacity, **kw
+        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+        kw = dict(
+            max_new_tokens=args.max_new_tokens,
+            sampling=sampling,
+            eos_ids=stop_ids(config, tokenizer),
+            pad_id=pad_id,
+            seed=args.seed,
+            mesh=mesh,
         )
-        result = run()
-    for row, n in zip(result.tokens, result.num_tokens, strict=True):
-        print(tokenizer.decode(row[:n], skip_special_tokens=True))
-    total, seconds = int(result.num_tokens.sum()), result.seconds
-    print(f"decode: {total} tokens in {seconds:.3f} s ({total / seconds:.1f} tok/s)")
-    if drafter is not None:
-        stats = result.stats
-        rates = ",".join(f"{r:.2f}" for r in stats.acceptance_by_position())
-        print(f"spec: tau={stats.tau():.2f} steps={int(np.sum(stats.steps))} accept_by_position={rates}")
+        if request.drafter is None:
+            progress("compiling ...")
+            engine = interrupt.wait_for(compile_autoregressive, params, config, tokens, lengths, request.capacity, **kw)
+        else:
+            drafter_params, vocab = interrupt.wait_for(load_drafter, args.drafter, request.drafter, params, ids)
+            progress("compiling ...")
+            engine = interrupt.wait_for(
+                compile_speculative,
+                params,
+                config,
+                drafter_params,
+                request.drafter,
+                vocab,
+                tokens,
+                lengths,
+                request.capacity,
+                **kw,
+            )
+        stream = TextStream(tokenizer) if len(ids) == 1 else None
+        stop = lambda: interrupt.requested
+        shown = generate_streaming(engine, args.chunk, stream, stop)
+        if stream is not None:
+            print()
+        else:
+            for row, n in zip(shown.tokens, shown.num_tokens, strict=True):
+                print(tokenizer.decode(row[:n], skip_special_tokens=True))
+        if shown.interrupted:
+            print(f"interrupted after {int(shown.num_tokens.sum())} tokens", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        timed = [generate_streaming(engine, args.chunk, stop=stop) for _ in range(args.repeats)]
+        if interrupt.requested:
+            print("interrupted while timing", file=sys.stderr)
+            return EXIT_INTERRUPTED
+    if timed:
+        what = f"median of {len(timed)} warm run(s) after the printed one"
+        result = shown._replace(
+            prefill_seconds=statistics.median(r.prefill_seconds for r in timed),
+            decode_seconds=statistics.median(r.decode_seconds for r in timed),
+        )
+    else:
+        what, result = "the printed run (streamed)", shown
+    what += f"; compiled ahead of time; decoding in chunks of {args.chunk} steps"
+    print("\n".join(speed_lines(int(lengths.sum()), result, len(ids), what)))
+    if request.drafter is not None:
+        stats = shown.stats
+        print(
+            f"spec: tau={stats.tau():.2f} steps={int(np.sum(stats.steps))} accept_by_position="
+            f"{format_rates(stats.acceptance_by_position())}"
+        )
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

@@ -43,10 +43,11 @@ from tqdm import tqdm
 from eval.chat import ChatEncoder
 from eval.generate import (
     DEFAULT_RECIPES,
-    build_drafter,
-    check_drafter_args,
     compile_autoregressive,
     compile_speculative,
+    drafter_config,
+    generate_streaming,
+    load_drafter,
     stop_ids,
 )
 from eval.machine import machine_facts
@@ -228,7 +229,8 @@ class Evaluation:
         width, capacity = self.shapes(ids)
         tokens, lengths = pad_batch(ids, self.target.pad_id, width)
         run = self.runner(method, tokens, lengths, capacity, progress)
-        result = run(tokens, lengths, self.args.seed * 1_000_003 + unit_index * 16 + turn)
+        seed = self.args.seed * 1_000_003 + unit_index * 16 + turn
+        result = generate_streaming(run, self.args.max_new_tokens, prompts=(tokens, lengths), seed=seed)
         self.calls += 1
         if method.drafter is None:
             call_steps = max(int(result.num_tokens.max()) - 1, 0)
@@ -291,15 +293,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--batch-size and --max-new-tokens must be >= 1")
         if len(set(args.drafter)) != len(args.drafter):
             raise ValueError("each --drafter may be given once")
-        for spec in args.drafter:
-            check_drafter_args(spec, None)
         prompts = load_prompts(parse_tasks(args.tasks), args.num_prompts)
         target = load_eval_target(args.target, args.recipe, args.seed)
         first_turns = [target.encoder.encode(p, []) for p in prompts]
         methods = [Method(PLAIN, None, 0)]
         for spec in args.drafter:
-            drafter = build_drafter(spec, args.target, target.config, target.params, target.recipe, first_turns, None)
-            methods.append(Method(spec, drafter, drafter[0].block_size))
+            request = argparse.Namespace(drafter=spec, recipe=target.recipe, target=args.target, k=None)
+            config = drafter_config(request, target.config)
+            drafter = (config, *load_drafter(spec, config, target.params, first_turns))
+            methods.append(Method(spec, drafter, config.block_size))
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

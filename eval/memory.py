@@ -12,12 +12,16 @@ for every context token in each of their layers (target KV geometry, `--dflash-l
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
 import jax.numpy as jnp
+
+from hspec_jax.checkpoints.hf import read_json
+from hspec_jax.cli import ArgumentParser, float_dtype, positive_int, run
+from hspec_jax.errors import InputError
+from hspec_jax.models.config import hf_size
+from hspec_jax.recipes import load_config, recipe_names
 
 PAPER_TARGETS = ("llama", "qwen3_4b", "qwen3_8b")
 KV_LAYER_TYPES = ("full_attention", "sliding_attention", "attention")
@@ -31,16 +35,20 @@ def text_config(hf: dict) -> dict:
 def attention_geometry(hf: dict) -> tuple[int, int]:
     """(KV heads, head dim) of the attention layers."""
     hf = text_config(hf)
-    heads = hf["num_attention_heads"]
-    return hf.get("num_key_value_heads") or heads, hf.get("head_dim") or hf["hidden_size"] // heads
+    heads = hf_size(hf, "num_attention_heads")
+    kv_heads = hf_size(hf, "num_key_value_heads", required=False) or heads
+    return kv_heads, hf_size(hf, "head_dim", required=False) or hf_size(hf, "hidden_size") // heads
 
 
 def kv_layers(hf: dict) -> int:
     """How many of the target's layers keep per-token K/V."""
     hf = text_config(hf)
+    layers = hf_size(hf, "num_hidden_layers")
     types = hf.get("layer_types")
     if types is None:
-        return hf["num_hidden_layers"]
+        return layers
+    if not isinstance(types, list) or len(types) != layers:
+        raise ValueError(f"layer_types must list one type per layer ({layers})")
     return sum(t in KV_LAYER_TYPES for t in types)
 
 
@@ -49,16 +57,12 @@ def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: i
 
 
 def load_hf_config(spec: str) -> tuple[str, dict]:
-    """(display name, config.json dict) for a recipe name or a config.json path."""
-    if os.path.isfile(spec):
-        with open(spec) as f:
-            return spec, json.load(f)
-    recipe_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", f"{spec}.py")
-    if not os.path.isfile(recipe_path):
-        raise ValueError(f"--target {spec!r} is neither a config.json file nor a recipe in configs/")
-    from hspec_jax.recipes import load_config
-
-    recipe = load_config(recipe_path)
+    """(display name, config.json dict) for a recipe name or file, or a config.json path."""
+    if os.path.isfile(spec) and not spec.endswith(".py"):
+        return spec, read_json(spec)
+    if not os.path.exists(spec) and spec not in recipe_names():
+        raise InputError(f"--target {spec!r} is neither a config.json file nor a recipe ({', '.join(recipe_names())})")
+    recipe = load_config(spec)
     return recipe.target.name, recipe.target.hf_config.to_dict()
 
 
@@ -76,29 +80,33 @@ def memory_rows(hf: dict, dtype_bytes: int, dflash_layers: int) -> list[tuple[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval.memory", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m eval.memory", description=__doc__.split("\n")[0])
     parser.add_argument("--target", action="append", help="recipe name or config.json path (repeatable)")
-    parser.add_argument("--dtype", default="bfloat16", help="KV cache dtype (default bfloat16, as the paper)")
-    parser.add_argument("--dflash-layers", type=int, default=5)
+    parser.add_argument(
+        "--dtype", type=float_dtype, default="bfloat16", help="KV cache dtype (default bfloat16, as the paper)"
+    )
+    parser.add_argument("--dflash-layers", type=positive_int, default=5, help="DFlash/DSpark drafter layers")
     args = parser.parse_args(argv)
     dtype_bytes = jnp.dtype(args.dtype).itemsize
+    tables = []
+    for spec in args.target or PAPER_TARGETS:
+        name, hf = load_hf_config(spec)
+        try:
+            tables.append((name, hf, memory_rows(hf, dtype_bytes, args.dflash_layers)))
+        except (ValueError, TypeError) as e:
+            raise InputError(f"{spec}: {e}") from None
     print(f"KV cache per token ({args.dtype}); inflation = (target + drafter) / target\n")
     print("| target | KV layers | method | target KiB/token | drafter KiB/token | inflation |")
     print("|---|---|---|---|---|---|")
-    for spec in args.target or PAPER_TARGETS:
-        try:
-            name, hf = load_hf_config(spec)
-            rows = memory_rows(hf, dtype_bytes, args.dflash_layers)
-        except (OSError, ValueError, KeyError) as e:
-            print(f"error: {spec}: {e}", file=sys.stderr)
-            return 1
+    for name, hf, rows in tables:
         for method, target, drafter in rows:
+            inflation = f"{(target + drafter) / target:.3f}x" if target else "-"
             print(
                 f"| {name} | {kv_layers(hf)}/{text_config(hf)['num_hidden_layers']} | {method} | {target / 1024:.2f} | "
-                f"{drafter / 1024:.2f} | {(target + drafter) / target:.3f}x |"
+                f"{drafter / 1024:.2f} | {inflation} |"
             )
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

@@ -8,11 +8,11 @@ and the q/k norms copied from the target) are listed apart; target embeddings ar
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
 
+from hspec_jax.cli import ArgumentParser, run
 from hspec_jax.drafters import init_drafter
 from hspec_jax.drafters.params import count_by_component
 from hspec_jax.recipes import drafter_from_recipe, load_config, target_config
@@ -42,14 +42,10 @@ def parameter_table(recipe) -> tuple[list[str], dict[str, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval.params", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="a recipe file, e.g. configs/qwen3_8b.py")
+    parser = ArgumentParser(prog="python -m eval.params", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="a recipe file or name, e.g. configs/qwen3_8b.py or qwen3_8b")
     args = parser.parse_args(argv)
-    try:
-        recipe = load_config(args.config)
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    recipe = load_config(args.config)
     lines, totals = parameter_table(recipe)
     print(f"Trainable drafter parameters for {recipe.target.name} ({args.config}):\n")
     print("\n".join(lines))
@@ -59,4 +55,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

@@ -9,9 +9,13 @@ A recipe `ConfigDict` has:
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import ml_collections
 
 from hspec_jax.drafters import PAPER_BLOCK_PATTERN, DrafterConfig, MambaConfig, drafter_config
+from hspec_jax.errors import InputError
 from hspec_jax.models import TargetConfig
 
 
@@ -28,7 +32,8 @@ def recipe(
     markov_rank: int = 256,
     path: str = "",
 ) -> ml_collections.ConfigDict:
-    """The paper's recipe (DESIGN.md section 5) for one target."""
+    """The paper's recipe for one target: block 8 (k = 7), Mamba-2 heads of 64, d_state 4, 4 groups, sliding
+    window 2048, draft vocabulary 32000, Markov rank 256; layer ids and widths per target."""
     c = ml_collections.ConfigDict()
     c.target = ml_collections.ConfigDict({"name": name, "path": path, "hf_config": hf_config})
     c.drafter = ml_collections.ConfigDict(
@@ -101,7 +106,11 @@ def train_section() -> ml_collections.ConfigDict:
 
 
 def target_config(c: ml_collections.ConfigDict, **overrides) -> TargetConfig:
-    return TargetConfig.from_hf(c.target.hf_config.to_dict(), **overrides)
+    """The target's config from the recipe's `target.hf_config`."""
+    try:
+        return TargetConfig.from_hf(c.target.hf_config.to_dict(), **overrides)
+    except (ValueError, TypeError, KeyError) as e:
+        raise InputError(f"recipe {c.target.name!r}: target: {e}") from None
 
 
 def drafter_from_recipe(
@@ -110,25 +119,63 @@ def drafter_from_recipe(
     target: TargetConfig | None = None,
 ) -> DrafterConfig:
     """The drafter config of `kind` (default: the recipe's `drafter.kind`) under this recipe."""
+    target = target or target_config(c)
     fields = c.drafter.to_dict()
     kind = kind or fields.pop("kind")
     fields.pop("kind", None)
-    fields["mamba"] = MambaConfig(**fields["mamba"])
-    for key in ("fusion_layer_ids", "attn_kv_layer_ids", "block_pattern"):
-        fields[key] = tuple(fields[key])
-    return drafter_config(kind, target or target_config(c), **fields)
+    try:
+        fields["mamba"] = MambaConfig(**fields["mamba"])
+        for key in ("fusion_layer_ids", "attn_kv_layer_ids", "block_pattern"):
+            fields[key] = tuple(fields[key])
+        return drafter_config(kind, target, **fields)
+    except (ValueError, TypeError, KeyError) as e:
+        raise InputError(f"recipe {c.target.name!r}: {kind} drafter: {e}") from None
 
 
-def load_config(path: str) -> ml_collections.ConfigDict:
-    """Run a recipe file's `get_config()` (the same files `train.main --config=` reads)."""
-    import importlib.util
-    import os
+# Recipe names resolve to the repository's configs/ folder (present when the package is used from a clone,
+# editable-installed or on PYTHONPATH; absent from a wheel).
+RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file {path!r} does not exist")
-    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ValueError(f"config file {path!r} has no get_config()")
-    return module.get_config()
+
+def recipe_names() -> list[str]:
+    """The recipe names available in the repository's configs/ folder (empty outside a clone)."""
+    if not os.path.isdir(RECIPE_DIR):
+        return []
+    return sorted(f[:-3] for f in os.listdir(RECIPE_DIR) if f.endswith(".py") and not f.startswith("_"))
+
+
+def recipe_path(spec: str) -> str:
+    """The recipe file behind `spec`: a path to a `.py` file, or a name such as "smollm2" (configs/smollm2.py)."""
+    if os.path.exists(spec) or os.sep in spec or spec.endswith(".py"):
+        if not os.path.isfile(spec):
+            raise InputError(f"recipe file {spec!r} does not exist")
+        if not spec.endswith(".py"):
+            raise InputError(f"{spec!r} is not a recipe file (a .py file with get_config())")
+        return spec
+    names = recipe_names()
+    if not names:
+        raise InputError(
+            f"recipe name {spec!r} needs the repository's configs/ folder, which is not at {RECIPE_DIR}; "
+            "pass the path of a recipe file instead"
+        )
+    if spec not in names:
+        raise InputError(f"unknown recipe {spec!r}; choose from {', '.join(names)} or pass a recipe file path")
+    return os.path.join(RECIPE_DIR, f"{spec}.py")
+
+
+def load_config(spec: str) -> ml_collections.ConfigDict:
+    """Run a recipe's `get_config()`; `spec` is a recipe file path or a recipe name from the repository's
+    configs/ (see `recipe_path`)."""
+    path = recipe_path(spec)
+    module_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise InputError(f"{path}:{e.lineno}: {e.msg}") from None
+    if not callable(getattr(module, "get_config", None)):
+        raise InputError(f"config file {path!r} has no get_config()")
+    config = module.get_config()
+    if not isinstance(config, ml_collections.ConfigDict) or not {"target", "drafter"} <= set(config.keys()):
+        raise InputError(f"{path}: get_config() did not return a recipe (a ConfigDict with target and drafter)")
+    return config

@@ -3,6 +3,7 @@
 import json
 
 from eval import memory, params
+from hspec_jax import cli
 
 
 def test_params_table_matches_the_papers_parameter_budget(capsys):
@@ -17,7 +18,7 @@ def test_params_table_matches_the_papers_parameter_budget(capsys):
 
 
 def test_params_bad_config_path(capsys):
-    assert params.main(["--config", "configs/nope.py"]) == 1
+    assert cli.run(params.main, ["--config", "configs/nope.py"]) == 1
     assert "does not exist" in capsys.readouterr().err
 
 
@@ -69,5 +70,5 @@ def test_memory_formula_matches_the_real_buffers():
 
 
 def test_memory_bad_target(capsys):
-    assert memory.main(["--target", "gpt5"]) == 1
+    assert cli.run(memory.main, ["--target", "gpt5"]) == 1
     assert "neither a config.json file nor a recipe" in capsys.readouterr().err

@@ -8,11 +8,12 @@ Every tensor in the file must be consumed; anything unknown is an error naming t
 from __future__ import annotations
 
 import os
+import struct
 
 import gguf
 import numpy as np
 
-from hspec_jax.checkpoints.hf import CheckpointError, params_from_state_dict
+from hspec_jax.checkpoints.hf import CheckpointError, check_finite, params_from_state_dict, target_config_from_hf
 from hspec_jax.models.config import TargetConfig
 
 # GGUF architecture -> HF model_type, and whether llama.cpp permuted q/k rows on conversion.
@@ -116,8 +117,23 @@ def state_dict_from_gguf(reader: gguf.GGUFReader, config: TargetConfig) -> dict[
 
 def load_gguf_target(path: str, **config_overrides) -> tuple[TargetConfig, dict]:
     """(config, params) from a GGUF file; weights are dequantized to `config.param_dtype`."""
+    reader = read_gguf(path)
+    config = gguf_target_config(reader, path, **config_overrides)
+    params = params_from_state_dict(state_dict_from_gguf(reader, config), config)
+    check_finite(params, path)
+    return config, params
+
+
+def gguf_target_config(reader: gguf.GGUFReader, path: str, **config_overrides) -> TargetConfig:
+    """The target config described by a GGUF file's metadata."""
+    return target_config_from_hf(hf_config_from_gguf(reader), path, **config_overrides)
+
+
+def read_gguf(path: str) -> gguf.GGUFReader:
+    """Open a GGUF file (memory-mapped); a truncated or corrupted file is an error that names it."""
     if not os.path.isfile(path):
         raise CheckpointError(f"GGUF file {path!r} does not exist")
-    reader = gguf.GGUFReader(path)
-    config = TargetConfig.from_hf(hf_config_from_gguf(reader), **config_overrides)
-    return config, params_from_state_dict(state_dict_from_gguf(reader, config), config)
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, struct.error) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None

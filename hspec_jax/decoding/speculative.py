@@ -12,6 +12,7 @@ Per step, for every sequence of the batch (all on device, in one `lax.while_loop
    verified into their own cache (only the committed ones are ever read).
 
 Sequences stop at EOS, `max_new_tokens`, or when the cache has no room for another block of k+1 rows.
+`spec_decode` runs the loop to the end; `spec_decode_chunk` runs a few steps of it, for streaming.
 Statistics come back with the tokens: steps, accepted drafts, and per draft index how often it was reached
 (all earlier drafts accepted) and accepted, so tau and conditional acceptance rates can be reported.
 """
@@ -116,11 +117,8 @@ def _fused(hidden: tuple[jax.Array, ...]) -> jax.Array:
 
 
 # Both halves of the engine: configs and loop settings are static, the two caches are donated (updated in place).
-_engine_jit = functools.partial(
-    jax.jit,
-    static_argnames=("target", "drafter", "sampling", "max_new_tokens", "eos_ids", "pad_id"),
-    donate_argnames=("cache", "context"),
-)
+_ENGINE_STATIC = ("target", "drafter", "sampling", "max_new_tokens", "eos_ids", "pad_id")
+_engine_jit = functools.partial(jax.jit, static_argnames=_ENGINE_STATIC, donate_argnames=("cache", "context"))
 
 
 def _room(cache: KVCache, k: int) -> jax.Array:
@@ -173,30 +171,30 @@ def spec_prefill(
     return state, cache, context
 
 
-@_engine_jit
-def spec_decode(
-    target_params: dict,
-    target: TargetConfig,
-    drafter_params: dict,
-    drafter: DrafterConfig,
-    vocab: DraftVocab,
-    state: SpecState,
-    cache: KVCache,
-    context: tuple,
-    *,
-    max_new_tokens: int,
-    sampling: SamplingConfig = SamplingConfig(),
-    eos_ids: tuple[int, ...] = (),
-    pad_id: int = 0,
-) -> SpecGeneration:
-    """Run draft-and-verify steps on device until every sequence is done (see the module docstring)."""
+def _spec_steps(
+    target_params,
+    target,
+    drafter_params,
+    drafter,
+    vocab,
+    state,
+    cache,
+    context,
+    steps,
+    max_new_tokens,
+    sampling,
+    eos_ids,
+    pad_id,
+):
+    """Up to `steps` draft-and-verify steps (fewer once every sequence is done) -> (state, cache, context)."""
     k = drafter.num_drafts
     batch = state.anchor.shape[0]
     slots = jnp.arange(k + 1)
+    limit = jnp.minimum(state.step + steps, max_new_tokens)
 
     def cond(carry):
         s = carry[0]
-        return (s.step < max_new_tokens) & ~jnp.all(s.done)
+        return (s.step < limit) & ~jnp.all(s.done)
 
     def body(carry):
         s, cache, context = carry
@@ -239,8 +237,53 @@ def spec_decode(
         )
         return SpecState(s.step + 1, tokens, num, done, nxt, draft, probs, seed, stats, rng), cache, context
 
-    final, cache, context = jax.lax.while_loop(cond, body, (state, cache, context))
+    return jax.lax.while_loop(cond, body, (state, cache, context))
+
+
+@_engine_jit
+def spec_decode(
+    target_params: dict,
+    target: TargetConfig,
+    drafter_params: dict,
+    drafter: DrafterConfig,
+    vocab: DraftVocab,
+    state: SpecState,
+    cache: KVCache,
+    context: tuple,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    eos_ids: tuple[int, ...] = (),
+    pad_id: int = 0,
+) -> SpecGeneration:
+    """Run draft-and-verify steps on device until every sequence is done (see the module docstring)."""
+    args = (target_params, target, drafter_params, drafter, vocab, state, cache, context, max_new_tokens)
+    final, cache, context = _spec_steps(*args, max_new_tokens, sampling, eos_ids, pad_id)
     return SpecGeneration(final.tokens[:, :max_new_tokens], final.num, final.stats, cache, context)
+
+
+@_engine_jit
+def spec_decode_chunk(
+    target_params: dict,
+    target: TargetConfig,
+    drafter_params: dict,
+    drafter: DrafterConfig,
+    vocab: DraftVocab,
+    state: SpecState,
+    cache: KVCache,
+    context: tuple,
+    steps: int | jax.Array,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    eos_ids: tuple[int, ...] = (),
+    pad_id: int = 0,
+) -> tuple[SpecState, KVCache, tuple]:
+    """At most `steps` more draft-and-verify steps (traced: one compilation serves every chunk size), for callers
+    that stream or stop between chunks. Chained from `spec_prefill` until every sequence is done, it gives exactly
+    `spec_decode`'s tokens and statistics; `state.tokens[:, :max_new_tokens]` and `state.num` are the output so far."""
+    args = (target_params, target, drafter_params, drafter, vocab, state, cache, context, steps)
+    return _spec_steps(*args, max_new_tokens, sampling, eos_ids, pad_id)
 
 
 def speculative_generate(

@@ -20,6 +20,19 @@ _FAMILIES = {
     "qwen2": ("Qwen2ForCausalLM", False, True, False),
 }
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# config.json sizes that must be positive integers (the optional ones may be absent or null).
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+_REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def hf_size(hf: dict, key: str, required: bool = True) -> int | None:
+    """A size from a `config.json` dict, checked to be a positive integer (None if optional and absent)."""
+    value = hf.get(key)
+    if value is None and not required:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"config value {key!r} must be a positive integer, got {value!r}")
+    return value
 
 
 def default_dtype() -> jnp.dtype:
@@ -111,6 +124,8 @@ class TargetConfig:
                 f"unknown architecture model_type={model_type!r} (architectures={hf.get('architectures')}); "
                 f"supported: {sorted(_FAMILIES)}"
             )
+        for key in _REQUIRED_SIZES + _OPTIONAL_SIZES:
+            hf_size(hf, key, required=key in _REQUIRED_SIZES)
         hidden_act = hf.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"hidden_act={hidden_act!r} is not supported (only silu)")

@@ -21,10 +21,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from hspec_jax.models.blocked_attention import blocked_attention
 from hspec_jax.models.config import TargetConfig
 from hspec_jax.models.kv_cache import KVCache, init_cache, write_rows
 from hspec_jax.models.layers import INIT_STD, MLP, RMSNorm, dense, dot_product_attention, rms_norm
 from hspec_jax.models.rope import apply_rope, inverse_frequencies
+
+# Inputs longer than this (prompts) use `blocked_attention`; decoding and verification steps use the dense form.
+LONG_INPUT = 256
 
 
 class DecoderOutput(NamedTuple):
@@ -102,8 +106,14 @@ class SelfAttention(AttentionProjections):
         k_buf = write_rows(k_buf, k, starts)
         v_buf = write_rows(v_buf, v, starts)
         rows = starts[:, None] + jnp.arange(x.shape[1])[None, :]
-        mask = causal_mask(rows, k_buf.shape[1], self.window, doc_starts)
-        out = dot_product_attention(q, k_buf, v_buf, mask)
+        if x.shape[1] > LONG_INPUT:  # a prompt or a packed training row: never materialise [T, S] scores
+            first = doc_starts
+            if self.window is not None:
+                lowest = rows - self.window + 1
+                first = lowest if first is None else jnp.maximum(first, lowest)
+            out = blocked_attention(q, k_buf, v_buf, rows, first)
+        else:
+            out = dot_product_attention(q, k_buf, v_buf, causal_mask(rows, k_buf.shape[1], self.window, doc_starts))
         return self.output(out), k_buf, v_buf
 
 

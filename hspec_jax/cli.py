@@ -1,0 +1,103 @@
+"""What every command-line tool shares: argument types checked at parse time, one-line errors, exit codes.
+
+Each tool (`eval.generate`, `eval.params`, `eval.memory`, `hspec_jax.checkpoints.convert`) parses with
+`ArgumentParser`, checks every argument before it loads anything, and runs its `main` through `run`:
+
+    error: <one line>      on stderr, exit 2 for a malformed argument, 1 for bad input (`InputError`, a file
+                           that cannot be read or written: the message names it; a full disk: "no space left")
+    interrupted            on Ctrl-C, exit 130
+    a traceback            for anything else: that is a bug
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Callable
+
+from hspec_jax.errors import InputError, is_no_space
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+EXIT_INTERRUPTED = 130
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error instead of usage + error."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def _number(kind: type, text: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        expected = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = _number(int, text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _number(int, text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _number(float, text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def probability(text: str) -> float:
+    """A number in (0, 1]."""
+    value = _number(float, text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def float_dtype(text: str) -> str:
+    """A floating-point weight/cache dtype name."""
+    if text not in FLOAT_DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; choose from {', '.join(FLOAT_DTYPES)}")
+    return text
+
+
+def os_error_line(e: OSError) -> str:
+    """One line for a failed file operation, naming the file (and for a full disk, its directory)."""
+    name = e.filename if e.filename is not None else None
+    if is_no_space(e):
+        return f"no space left on {os.path.dirname(os.path.abspath(name)) if name else 'device'}"
+    reason = e.strerror or str(e)
+    return f"{reason}: {name}" if name else reason
+
+
+def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
+    """Call a tool's `main(argv)`, turning known errors into one line on stderr and an exit status."""
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if e.filename is None and not is_no_space(e):
+            raise
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
+        return 1
