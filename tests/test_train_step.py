@@ -79,6 +79,19 @@ def setup_state(kind, target_params, train_overrides=None, seed=1):
     return drafter, vocab, state, optimizer, schedule
 
 
+def test_long_packed_rows_equal_separate_documents(target_params):
+    """Rows longer than the decoder's blocked-attention threshold: documents still never see each other."""
+    from hspec_jax.models.decoder import LONG_INPUT
+
+    length, split = LONG_INPUT + 64, LONG_INPUT // 2
+    tokens = jax.random.randint(jax.random.key(7), (1, length), 4, TARGET.vocab_size)
+    positions = jnp.concatenate([jnp.arange(split), jnp.arange(length - split)])[None]
+    out = forward(target_params, TARGET, tokens, init_cache(TARGET, 1, length), (3,), positions=positions)
+    alone = forward(target_params, TARGET, tokens[:, split:], init_cache(TARGET, 1, length - split), (3,))
+    np.testing.assert_allclose(np.asarray(out.hidden[0][:, split:]), np.asarray(alone.hidden[0]), atol=5e-5)
+    np.testing.assert_allclose(np.asarray(out.logits[:, split:]), np.asarray(alone.logits), atol=5e-5)
+
+
 def test_packed_rows_equal_separate_documents(target_params):
     """Per-document positions: a packed document's taps and K/V equal those of the document alone."""
     batch = packed_batch(batch=1)
