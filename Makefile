@@ -37,6 +37,8 @@ test: lint
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.decode
+	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.prefill
+	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.streaming
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.spec_overhead
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.drafter_forward
 
