@@ -48,9 +48,17 @@ def command(workdir, data, *overrides):
     ]
 
 
-def run(cmd, **kw):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, **kw)
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
+
+
+def run(cmd):
+    """Run to completion, capturing the output."""
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+
+
+def start(cmd, **kw):
+    """Start in the background."""
+    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, **kw)
 
 
 def losses(workdir):
@@ -77,10 +85,7 @@ def test_trains_exports_and_resumes_exactly_after_kill(tmp_path):
 
     # The same run killed (SIGKILL) after its step-6 checkpoint, then started again with the same workdir.
     resumed = tmp_path / "resumed"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
-    victim = subprocess.Popen(
-        command(resumed, data, *steps), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    victim = start(command(resumed, data, *steps), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
     while not os.path.exists(resumed / "checkpoints" / "6") and time.time() < deadline:
         time.sleep(0.2)
@@ -107,9 +112,8 @@ def test_two_processes_train_like_one(tmp_path):
     proc = run(command(single, data, *steps))
     assert proc.returncode == 0, proc.stderr[-3000:]
     port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
     procs = [
-        subprocess.Popen(
+        start(
             command(
                 tmp_path / "multi",
                 data,
@@ -119,8 +123,6 @@ def test_two_processes_train_like_one(tmp_path):
                 "--num_processes=2",
                 f"--process_id={i}",
             ),
-            cwd=ROOT,
-            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
