@@ -56,6 +56,13 @@ def run(cmd):
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
 
 
+def run_ok(cmd) -> dict:
+    """Run to completion, require success, and return the JSON result it prints last."""
+    proc = run(cmd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def start(cmd, **kw):
     """Start in the background."""
     return subprocess.Popen(cmd, cwd=ROOT, env=ENV, **kw)
@@ -73,9 +80,7 @@ def test_trains_exports_and_resumes_exactly_after_kill(tmp_path):
     data = write_conversations(tmp_path / "chat.jsonl")
     steps = ["--config.train.num_steps=9", "--config.train.checkpoint_every=3", "--config.train.eval_every=9"]
     straight = tmp_path / "straight"
-    proc = run(command(straight, data, *steps))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_ok(command(straight, data, *steps))
     assert result["resumed_from"] == 0 and result["tau"] >= 1.0 and "accept_1" in result
     reference = losses(straight)
     assert len(reference) == 9 and reference[-1] < reference[0]
@@ -92,9 +97,7 @@ def test_trains_exports_and_resumes_exactly_after_kill(tmp_path):
     victim.send_signal(signal.SIGKILL)
     assert victim.wait() == -signal.SIGKILL  # killed, not finished
     assert os.path.exists(resumed / "checkpoints" / "6") and not os.path.exists(resumed / "checkpoints" / "9")
-    proc = run(command(resumed, data, *steps))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["resumed_from"] == 6
+    assert run_ok(command(resumed, data, *steps))["resumed_from"] == 6
     np.testing.assert_allclose(losses(resumed), reference, rtol=1e-6)
 
 
@@ -109,8 +112,7 @@ def test_two_processes_train_like_one(tmp_path):
     data = write_conversations(tmp_path / "chat.jsonl")
     steps = ["--config.train.num_steps=3", "--config.train.eval_every=0", "--config.data.held_out_prompts=0"]
     single = tmp_path / "single"
-    proc = run(command(single, data, *steps))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_ok(command(single, data, *steps))
     port = free_port()
     procs = [
         start(

@@ -48,7 +48,7 @@ class Run:
     config: ml_collections.ConfigDict
     workdir: str
     target: object
-    target_params: dict
+    target_params: dict  # placed on the mesh as in inference
     tokenizer: object
     drafter: DrafterConfig
     vocab: DraftVocab
@@ -118,6 +118,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
             f"mesh {config.mesh!r} has {mesh.size} devices but the job has {jax.device_count()}: set "
             f"--config.mesh so that data x fsdp x model covers every device"
         )
+    target_params = parallel.shard_params(target_params, mesh, target.head_dim)  # the one copy the job keeps
     batch_size = config.train.batch_size
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if batch_size % jax.process_count() or batch_size % shards:
@@ -178,12 +179,12 @@ def global_batch(run: Run, local: dict) -> dict:
     return out
 
 
-def real_tau(run: Run, target_params: dict, params: dict) -> dict:
+def real_tau(run: Run, params: dict) -> dict:
     """Greedy draft-and-verify on the held-out prompts with the engine, on the training mesh (every process runs
     it with the same prompts): tau and acceptance by position."""
     tokens, lengths = pad_batch(run.held_out, pad_id=run.target.eos_token_ids[0])
     gen = speculative_generate(
-        target_params,
+        run.target_params,
         run.target,
         params,
         run.drafter,
@@ -308,7 +309,6 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     weights = recipe_weights(run.drafter.kind, tc.gamma, **tc.loss.to_dict())
     step_config = StepConfig(run.target, run.drafter, weights, tc.anchors_per_chunk)
     step_fn = make_train_step(step_config, optimizer, schedule, run.mesh)
-    target_params = parallel.shard_params(run.target_params, run.mesh, run.target.head_dim)
     metrics_log = MetricsLog(workdir, start)
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "data.json"), "w") as f:
@@ -318,7 +318,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     bar = tqdm(total=tc.num_steps, initial=start, desc="train", disable=jax.process_index() != 0)
     for step in range(start + 1, tc.num_steps + 1):
         local = next(run.iterator)
-        state, metrics = step_fn(state, target_params, run.vocab, global_batch(run, local))
+        state, metrics = step_fn(state, run.target_params, run.vocab, global_batch(run, local))
         tokens_done += int(np.sum(np.asarray(local["doc_ids"]) >= 0)) * jax.process_count()
         if step % tc.log_every == 0 or step == tc.num_steps:
             last = scalars(metrics)
@@ -326,7 +326,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
             last["tokens_per_s"] = tokens_done / elapsed
             tokens_done, clock = 0, time.perf_counter()
             if tc.eval_every and (step % tc.eval_every == 0 or step == tc.num_steps) and run.held_out:
-                last.update(real_tau(run, target_params, state.params))
+                last.update(real_tau(run, state.params))
                 clock = time.perf_counter()  # the tau check is not training time
             metrics_log.write(step, last)
             bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
