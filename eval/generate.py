@@ -17,7 +17,12 @@ functions are compiled ahead of time, so no compilation is on the clock; the tim
 a last line gives `spec: tau=<mean accepted length> steps=<n> accept_by_position=<rates>`, the conditional
 acceptance rate of each draft index given all earlier drafts were accepted (`-`: never reached).
 
-`--drafter` takes a drafter checkpoint directory or `random:<kind>` (a randomly initialised drafter of that
+`--compare` (with a drafter) runs plain decoding first, then draft-and-verify, both timed the same way, and
+ends with `same text as plain decoding: yes (greedy)` (exit 1 if a greedy answer differs) and
+`speedup: <x> decode tokens/s, draft-and-verify over plain`.
+
+`--drafter` takes a drafter checkpoint directory, the short name of a drafter shipped with the package (e.g.
+`smollm2-hspec`, see hspec_jax/trained/README.md), or `random:<kind>` (a randomly initialised drafter of that
 kind under the target's recipe, useful for lossless checks; kinds: hspec, hspec_kv_only, hspec_last_token,
 dflash, dspark, dflash_target_kv). Every argument is checked before any weights are loaded, together with
 the context length, the cache length and the memory the request needs.
@@ -41,7 +46,7 @@ import numpy as np
 
 from hspec_jax import parallel
 from hspec_jax.checkpoints import load_target, load_tokenizer, read_target_config, resolve
-from hspec_jax.checkpoints.drafter_io import read_drafter_config, restore_drafter
+from hspec_jax.checkpoints.drafter_io import read_drafter_config, resolve_drafter, restore_drafter, trained_drafters
 from hspec_jax.cli import (
     EXIT_INTERRUPTED,
     ArgumentParser,
@@ -86,7 +91,9 @@ def parse_args(argv: list[str] | None = None):
         "--prompt", action="append", required=True, help="user message; repeat the flag for a ragged batch"
     )
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt")
-    parser.add_argument("--drafter", default=None, help="drafter checkpoint directory, or random:<kind>")
+    parser.add_argument(
+        "--drafter", default=None, help="drafter directory, shipped name (smollm2-hspec) or random:<kind>"
+    )
     parser.add_argument(
         "--recipe", default=None, help="recipe name or file for random:<kind> drafters (default: smollm2's)"
     )
@@ -109,6 +116,11 @@ def parse_args(argv: list[str] | None = None):
         "--repeats", type=non_negative_int, default=1, help="warm runs to time after the printed one (0: time it)"
     )
     parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="with --drafter: run plain decoding first, then check the text is the same and print the speedup",
+    )
+    parser.add_argument(
         "--no-chat",
         dest="chat",
         action="store_false",
@@ -119,6 +131,8 @@ def parse_args(argv: list[str] | None = None):
 
 def check_args(args) -> None:
     """Every check that needs no weights and no tokenizer: argument combinations, paths, the mesh."""
+    if args.compare and args.drafter is None:
+        raise InputError("--compare puts plain decoding beside draft-and-verify: it needs --drafter")
     if args.k is not None and args.drafter is None:
         raise InputError("--k sets the drafted tokens per step: it needs --drafter")
     if args.k is not None and args.k > MAX_K:
@@ -136,8 +150,11 @@ def check_args(args) -> None:
             raise InputError("a random drafter for this target needs --recipe <name or configs/<name>.py>")
         load_config(args.recipe or DEFAULT_RECIPES[args.target])
     elif args.drafter is not None:
-        if not os.path.isdir(args.drafter):
-            raise InputError(f"drafter {args.drafter!r} is neither random:<kind> nor a checkpoint directory")
+        if not os.path.isdir(resolve_drafter(args.drafter)):
+            raise InputError(
+                f"drafter {args.drafter!r} is neither random:<kind>, a shipped drafter "
+                f"({', '.join(trained_drafters()) or 'none installed'}) nor a checkpoint directory"
+            )
         read_drafter_config(args.drafter)
     try:
         parallel.make_mesh(args.mesh)
@@ -445,6 +462,53 @@ def speed_lines(prompt_tokens: int, result: Result, batch: int, timed: str) -> l
     ]
 
 
+class Timed(NamedTuple):
+    shown: Result  # the printed (streamed) run
+    result: Result  # the timed one: median of the warm repeats, or the printed run
+    what: str  # which run was timed
+
+
+def run_engine(engine: Engine, args, tokenizer, interrupt: Interrupt, batch: int) -> Timed | None:
+    """Stream one run (printing the answer), then time `--repeats` warm runs; None if interrupted."""
+    stream = TextStream(tokenizer) if batch == 1 else None
+    stop = lambda: interrupt.requested
+    shown = generate_streaming(engine, args.chunk, stream, stop)
+    if stream is not None:
+        print()
+    else:
+        for row, n in zip(shown.tokens, shown.num_tokens, strict=True):
+            print(tokenizer.decode(row[:n], skip_special_tokens=True))
+    if shown.interrupted:
+        print(f"interrupted after {int(shown.num_tokens.sum())} tokens", file=sys.stderr)
+        return None
+    timed = [generate_streaming(engine, args.chunk, stop=stop) for _ in range(args.repeats)]
+    if interrupt.requested:
+        print("interrupted while timing", file=sys.stderr)
+        return None
+    if timed:
+        what = f"median of {len(timed)} warm run(s) after the printed one"
+        result = shown._replace(
+            prefill_seconds=statistics.median(r.prefill_seconds for r in timed),
+            decode_seconds=statistics.median(r.decode_seconds for r in timed),
+        )
+    else:
+        what, result = "the printed run (streamed)", shown
+    return Timed(shown, result, what + f"; compiled ahead of time; decoding in chunks of {args.chunk} steps")
+
+
+def same_text(plain: Result, spec: Result) -> bool:
+    """Whether two runs produced the same tokens for every sequence."""
+    return all(
+        np.array_equal(a[:n], b[:m])
+        for a, n, b, m in zip(plain.tokens, plain.num_tokens, spec.tokens, spec.num_tokens, strict=True)
+    )
+
+
+def decode_rate(result: Result, batch: int) -> float:
+    """Tokens per second after the first (the decoding phase)."""
+    return (int(result.num_tokens.sum()) - batch) / result.decode_seconds if result.decode_seconds else 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_args(args)
@@ -467,10 +531,17 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             mesh=mesh,
         )
-        if request.drafter is None:
+        runs = {}
+        if request.drafter is None or args.compare:
             progress("compiling ...")
             engine = interrupt.wait_for(compile_autoregressive, params, config, tokens, lengths, request.capacity, **kw)
-        else:
+            if args.compare:
+                print("== plain decoding")
+            runs["plain"] = run_engine(engine, args, tokenizer, interrupt, len(ids))
+            if runs["plain"] is None:
+                return EXIT_INTERRUPTED
+            print("\n".join(speed_lines(int(lengths.sum()), runs["plain"].result, len(ids), runs["plain"].what)))
+        if request.drafter is not None:
             drafter_params, vocab = interrupt.wait_for(load_drafter, args.drafter, request.drafter, params, ids)
             progress("compiling ...")
             engine = interrupt.wait_for(
@@ -485,37 +556,27 @@ def main(argv: list[str] | None = None) -> int:
                 request.capacity,
                 **kw,
             )
-        stream = TextStream(tokenizer) if len(ids) == 1 else None
-        stop = lambda: interrupt.requested
-        shown = generate_streaming(engine, args.chunk, stream, stop)
-        if stream is not None:
-            print()
-        else:
-            for row, n in zip(shown.tokens, shown.num_tokens, strict=True):
-                print(tokenizer.decode(row[:n], skip_special_tokens=True))
-        if shown.interrupted:
-            print(f"interrupted after {int(shown.num_tokens.sum())} tokens", file=sys.stderr)
-            return EXIT_INTERRUPTED
-        timed = [generate_streaming(engine, args.chunk, stop=stop) for _ in range(args.repeats)]
-        if interrupt.requested:
-            print("interrupted while timing", file=sys.stderr)
-            return EXIT_INTERRUPTED
-    if timed:
-        what = f"median of {len(timed)} warm run(s) after the printed one"
-        result = shown._replace(
-            prefill_seconds=statistics.median(r.prefill_seconds for r in timed),
-            decode_seconds=statistics.median(r.decode_seconds for r in timed),
-        )
-    else:
-        what, result = "the printed run (streamed)", shown
-    what += f"; compiled ahead of time; decoding in chunks of {args.chunk} steps"
-    print("\n".join(speed_lines(int(lengths.sum()), result, len(ids), what)))
-    if request.drafter is not None:
-        stats = shown.stats
-        print(
-            f"spec: tau={stats.tau():.2f} steps={int(np.sum(stats.steps))} accept_by_position="
-            f"{format_rates(stats.acceptance_by_position())}"
-        )
+            if args.compare:
+                print(f"== draft-and-verify with {args.drafter}")
+            runs["spec"] = run_engine(engine, args, tokenizer, interrupt, len(ids))
+            if runs["spec"] is None:
+                return EXIT_INTERRUPTED
+            spec = runs["spec"]
+            print("\n".join(speed_lines(int(lengths.sum()), spec.result, len(ids), spec.what)))
+            stats = spec.shown.stats
+            print(
+                f"spec: tau={stats.tau():.2f} steps={int(np.sum(stats.steps))} accept_by_position="
+                f"{format_rates(stats.acceptance_by_position())}"
+            )
+    if args.compare:
+        plain, spec = runs["plain"], runs["spec"]
+        speedup = decode_rate(spec.result, len(ids)) / decode_rate(plain.result, len(ids))
+        if args.temperature == 0:
+            if not same_text(plain.shown, spec.shown):
+                print("error: greedy draft-and-verify differs from plain decoding", file=sys.stderr)
+                return 1
+            print("same text as plain decoding: yes (greedy)")
+        print(f"speedup: {speedup:.2f}x decode tokens/s, draft-and-verify over plain ({spec.what})")
     return 0
 
 

@@ -101,7 +101,7 @@ GENERATE_ARGS = [
     (["--k", "3"], "--k sets the drafted tokens per step: it needs --drafter"),
     (["--drafter", "random:hspec", "--k", "16"], "--k must be in 1..15"),
     (["--drafter", "random:eagle"], "unknown drafter kind 'eagle'"),
-    (["--drafter", "/nonexistent/drafter"], "neither random:<kind> nor a checkpoint directory"),
+    (["--drafter", "/nonexistent/drafter"], "neither random:<kind>, a shipped drafter"),
     (["--drafter", "random:hspec", "--recipe", "configs/nope.py"], "recipe file 'configs/nope.py' does not exist"),
     (["--drafter", "random:hspec", "--recipe", "README.md"], "README.md' is not a recipe file"),
     (["--recipe", "configs/smollm2.py"], "--recipe builds random:<kind> drafters"),
@@ -153,7 +153,8 @@ def test_acceptance_rates_show_unreached_positions_as_a_dash():
 
 
 def write_drafter_dir(path, manifest: str | None = '{"format": "hspec-jax-drafter", "config": {}}'):
-    os.makedirs(os.path.join(path, "params"))
+    os.makedirs(path)
+    open(os.path.join(path, "model.safetensors"), "w").close()
     with open(os.path.join(path, "hspec_drafter.json"), "w") as f:
         f.write(manifest)
     return str(path)

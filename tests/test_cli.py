@@ -56,28 +56,18 @@ SPEC_LINE = re.compile(
 
 
 @pytest.mark.slow
-def test_generate_with_a_random_drafter_is_lossless(capsys):
-    plain, _ = run_generate(capsys, "--target", "smollm2")
-    assert (
-        cli.run(
-            generate.main,
-            [
-                "--max-new-tokens",
-                "16",
-                "--prompt",
-                "What is the capital of France?",
-                "--target",
-                "smollm2",
-                "--drafter",
-                "random:dspark",
-                "--k",
-                "3",
-            ],
-        )
-        == 0
-    )
+def test_generate_compares_the_shipped_drafter_with_plain_decoding(capsys):
+    args = ["--target", "smollm2", "--drafter", "smollm2-hspec", "--k", "3", "--compare", "--repeats", "1"]
+    assert cli.run(generate.main, ["--max-new-tokens", "16", "--prompt", "What is the capital of France?", *args]) == 0
     out = capsys.readouterr().out
-    match = SPEC_LINE.search(out)
+    plain_part, spec_part = out.split("== draft-and-verify with smollm2-hspec\n")
+    assert plain_part.startswith("== plain decoding\n")
+    plain_text = plain_part.removeprefix("== plain decoding\n")
+    plain_text = plain_text[: PREFILL_LINE.search(plain_text).start()].strip()
+    assert "Paris" in plain_text
+    assert spec_part[: PREFILL_LINE.search(spec_part).start()].strip() == plain_text
+    match = SPEC_LINE.search(spec_part)
     assert match, out
-    assert out[: PREFILL_LINE.search(out).start()].strip() == plain
     assert 1.0 <= float(match.group(1)) <= 4.0 and int(match.group(2)) >= 1
+    assert "same text as plain decoding: yes (greedy)" in out
+    assert re.search(r"^speedup: [0-9.]+x decode tokens/s, draft-and-verify over plain \(median of 1 warm", out, re.M)

@@ -1,4 +1,5 @@
-"""Drafter checkpoints: Orbax round trip with config and vocabulary; strict, clear errors."""
+"""Drafter checkpoints: safetensors round trip with config and vocabulary (fp32 exact, bf16 storage), shipped
+drafters by short name; strict, clear errors."""
 
 import json
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 
 from hspec_jax.checkpoints import CheckpointError
-from hspec_jax.checkpoints.drafter_io import restore_drafter, save_drafter
+from hspec_jax.checkpoints.drafter_io import resolve_drafter, restore_drafter, save_drafter, trained_drafters
 from hspec_jax.drafters import DRAFTER_KINDS, init_drafter
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.recipes import drafter_from_recipe, load_config, target_config
@@ -41,9 +42,42 @@ def test_mismatched_target_and_bad_checkpoints(tmp_path):
     data = json.loads(manifest.read_text())
     data["config"]["fields"]["mamba"]["num_heads"] = 8  # the stored params no longer fit the config
     manifest.write_text(json.dumps(data))
-    with pytest.raises(
-        CheckpointError, match=r"parameter \['layers_0'\]\['ssm'\]\['A_log'\] has shape \(4,\), expected \(8,\)"
-    ):
+    with pytest.raises(CheckpointError, match=r"parameter layers_0\.ssm\.A_log has shape \(4,\), expected \(8,\)"):
         restore_drafter(str(tmp_path / "d"))
     with pytest.raises(CheckpointError, match="not an hspec-jax drafter checkpoint"):
         restore_drafter(str(tmp_path))
+
+
+def test_bf16_storage_and_strict_tensors(tmp_path):
+    import ml_dtypes
+    import safetensors.numpy
+
+    config = drafter_from_recipe(RECIPE, "hspec", TARGET)
+    params = init_drafter(config, jax.random.key(1))
+    vocab = build_draft_vocab(np.arange(50), TARGET.vocab_size, config.vocab_size)
+    save_drafter(str(tmp_path / "d"), params, config, vocab, dtype=ml_dtypes.bfloat16)
+    stored = safetensors.numpy.load_file(str(tmp_path / "d" / "model.safetensors"))
+    assert {v.dtype for v in stored.values()} == {np.dtype(ml_dtypes.bfloat16)}
+    _, restored, _ = restore_drafter(str(tmp_path / "d"), TARGET)
+    for want, got in zip(jax.tree.leaves(params), jax.tree.leaves(restored), strict=True):
+        assert got.dtype == want.dtype  # cast back to the config's parameter dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want).astype(ml_dtypes.bfloat16).astype(got.dtype))
+
+    path = str(tmp_path / "d" / "model.safetensors")
+    safetensors.numpy.save_file({**stored, "extra.weight": np.zeros(3, np.float32)}, path)
+    with pytest.raises(CheckpointError, match=r"unknown parameter extra\.weight"):
+        restore_drafter(str(tmp_path / "d"))
+    del stored["layers_0.ssm.A_log"]
+    safetensors.numpy.save_file(stored, path)
+    with pytest.raises(CheckpointError, match=r"is missing parameter layers_0\.ssm\.A_log"):
+        restore_drafter(str(tmp_path / "d"))
+
+
+def test_shipped_drafters_load_by_name():
+    names = trained_drafters()
+    assert "smollm2-hspec" in names
+    for name in names:
+        config, _, _ = restore_drafter(name)
+        assert resolve_drafter(name).endswith(f"trained/{name}")
+        assert config.target.hidden_size == 576  # every shipped drafter drafts for the embedded SmolLM2
+    assert resolve_drafter("some/dir") == "some/dir"

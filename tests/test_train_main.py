@@ -1,6 +1,7 @@
 """`python -m train.main` end to end on the tiny recipe: it trains and exports a loadable drafter, resumes
 exactly after kill -9, two processes train like one, and bad overrides are one-line errors."""
 
+import hashlib
 import json
 import os
 import signal
@@ -85,6 +86,11 @@ def test_trains_exports_and_resumes_exactly_after_kill(tmp_path):
     reference = losses(straight)
     assert len(reference) == 9 and reference[-1] < reference[0]
     assert os.path.exists(straight / "drafter" / "hspec_drafter.json")
+    record = json.loads((straight / "drafter" / "training.json").read_text())
+    assert record["step"] == 9 and record["recipe"]["train"]["num_steps"] == 9
+    (source,) = record["data"]["sources"]
+    with open(data, "rb") as f:
+        assert source["sha256"] == hashlib.sha256(f.read()).hexdigest()
     assert os.path.exists(straight / "vocab.npz") and os.path.exists(straight / "data.json")
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(straight))
 

@@ -24,6 +24,7 @@ records, the last 2,991 bytes (a partial record) dropped.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.resources
 import json
 import logging
@@ -153,6 +154,19 @@ def sharegpt_records() -> list[dict]:
         records, dropped = recover_json_array(f.read())
     log.info("sharegpt: recovered %d complete records from %s, dropped %d trailing bytes", len(records), path, dropped)
     return records
+
+
+def source_fingerprint(source: Source) -> dict:
+    """What identifies a source's data for the record kept beside a trained drafter: the sha256 of the file read
+    (the packaged ShareGPT JSON for `sharegpt`); a hub dataset is identified by its name alone."""
+    if source.location.startswith("hf:"):
+        return {}
+    path = sharegpt_path() if source.location == "sharegpt" else source.location
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"file": os.path.basename(path), "sha256": digest.hexdigest()}
 
 
 def load_records(source: Source) -> list[dict]:

@@ -31,7 +31,7 @@ from hspec_jax.drafters.config import DrafterConfig
 from hspec_jax.drafters.vocab import DraftVocab, draft_vocab_from_counts, vocab_from_ids
 from hspec_jax.recipes import drafter_from_recipe
 from train.chat import user_texts
-from train.data import load_mixture
+from train.data import load_mixture, source_fingerprint
 from train.losses import recipe_weights
 from train.optim import make_optimizer
 from train.pipeline import BATCH_KEYS, make_train_iterator, supervised_token_counts
@@ -150,6 +150,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
                 "weight": s.source.weight,
                 "conversations": len(s.conversations),
                 "excluded_eval_prompts": s.num_excluded,
+                **source_fingerprint(s.source),
             }
             for s in loaded
         ],
@@ -207,8 +208,9 @@ def host_params(params: dict) -> dict:
     return jax.device_get(params)
 
 
-def export_drafter(run: Run, params: dict) -> None:
-    """Write `workdir/drafter` (replacing the previous export only once the new one is complete)."""
+def export_drafter(run: Run, params: dict, step: int, metrics: dict) -> None:
+    """Write `workdir/drafter` (replacing the previous export only once the new one is complete), with
+    `training.json` beside the weights: the step, the recipe, the data record and the last logged metrics."""
     params = host_params(params)
     if jax.process_index() != 0:
         return
@@ -217,6 +219,9 @@ def export_drafter(run: Run, params: dict) -> None:
     for leftover in (fresh, old):
         shutil.rmtree(leftover, ignore_errors=True)
     save_drafter(fresh, params, run.drafter, run.vocab)
+    record = {"step": step, "recipe": run.config.to_dict(), "data": run.data_report, "metrics": metrics}
+    with open(os.path.join(fresh, "training.json"), "w") as f:
+        json.dump(record, f, indent=2, default=str)
     if os.path.exists(final):
         os.replace(final, old)
     os.replace(fresh, final)
@@ -339,7 +344,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 ),
             )
             manager.wait_until_finished()
-            export_drafter(run, state.params)
+            export_drafter(run, state.params, step, last)
     bar.close()
     metrics_log.close()
     manager.close()

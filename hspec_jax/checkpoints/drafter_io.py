@@ -1,11 +1,13 @@
-"""Drafter checkpoints: Orbax params, the drafter config and the draft vocabulary, in one directory.
+"""Drafter checkpoints: the drafter config, its weights and the draft vocabulary, in one directory.
 
     DIR/hspec_drafter.json   {"format": "hspec-jax-drafter", "config": <drafter config as JSON>}
-    DIR/params/              Orbax pytree of the drafter's param dict
+    DIR/model.safetensors    the drafter's param dict, one tensor per leaf named by its dotted path
+                             (e.g. `layers_0.ssm.A_log`), in the dtype chosen at save time (bf16 to ship)
     DIR/vocab.npz            d2t [Vd] (target id of each draft id) and t2d [V]
 
-Restoring rebuilds the config, checks every stored parameter against the config's shapes (strict), and
-`check_target` tells a mismatched target/drafter pair apart with a clear error.
+Restoring rebuilds the config, checks every stored tensor against the config's shapes (strict: none missing,
+none unknown), casts to the config's parameter dtype, and `check_target` tells a mismatched target/drafter
+pair apart with a clear error. A drafter shipped with the package is found by its short name (`TRAINED`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,19 @@ import zipfile
 
 import jax
 import numpy as np
+from flax import traverse_util
 
-from hspec_jax.checkpoints.hf import CheckpointError, check_finite, staged_directory, target_config_from_hf
-from hspec_jax.checkpoints.orbax_io import read_manifest, restore_pytree, save_pytree
+from hspec_jax.checkpoints.hf import (
+    SAFETENSORS,
+    SAFETENSORS_INDEX,
+    CheckpointError,
+    check_finite,
+    read_state_dict,
+    staged_directory,
+    target_config_from_hf,
+    write_state_dict,
+)
+from hspec_jax.checkpoints.orbax_io import read_manifest
 from hspec_jax.drafters.api import init_drafter
 from hspec_jax.drafters.config import FAMILIES, DrafterConfig, check_target
 from hspec_jax.drafters.mamba2 import MambaConfig
@@ -62,20 +74,44 @@ def config_from_dict(data: dict, target: TargetConfig | None = None, source: str
         raise CheckpointError(f"{source}: {e}") from None
 
 
-def save_drafter(directory: str, params: dict, config: DrafterConfig, vocab: DraftVocab) -> None:
+# Drafters shipped inside the package (hspec_jax/trained/<name>/), loadable by name wherever a path is.
+TRAINED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "trained")
+
+
+def trained_drafters() -> list[str]:
+    """Short names of the drafters shipped with the package."""
+    if not os.path.isdir(TRAINED_DIR):
+        return []
+    return sorted(d for d in os.listdir(TRAINED_DIR) if os.path.isfile(os.path.join(TRAINED_DIR, d, MANIFEST)))
+
+
+def resolve_drafter(spec: str) -> str:
+    """The directory behind a drafter spec: a shipped drafter's short name (e.g. `smollm2-hspec`) or a path."""
+    if os.path.sep not in spec and spec in trained_drafters():
+        return os.path.join(TRAINED_DIR, spec)
+    return spec
+
+
+def save_drafter(directory: str, params: dict, config: DrafterConfig, vocab: DraftVocab, dtype=None) -> None:
+    """Write a drafter checkpoint; `dtype` (e.g. bfloat16) stores the weights in that dtype (default: as is)."""
+    flat = traverse_util.flatten_dict(jax.device_get(params), sep=".")
+    state = {k: np.asarray(v if dtype is None else np.asarray(v).astype(dtype)) for k, v in flat.items()}
     with staged_directory(directory) as staging:
-        save_pytree(os.path.join(staging, "params"), params)
+        write_state_dict(state, staging)
         np.savez(os.path.join(staging, VOCAB), d2t=np.asarray(vocab.d2t), t2d=np.asarray(vocab.t2d))
         with open(os.path.join(staging, MANIFEST), "w") as f:
             json.dump({"format": FORMAT, "config": config_to_dict(config)}, f, indent=2)
 
 
-def read_drafter_config(directory: str) -> DrafterConfig:
-    """The config of a drafter checkpoint, read without its weights (cheap: for checks before loading)."""
+def read_drafter_config(spec: str) -> DrafterConfig:
+    """The config of a drafter checkpoint (directory or shipped name), read without its weights (cheap: for
+    checks before loading)."""
+    directory = resolve_drafter(spec)
     manifest = read_manifest(directory, MANIFEST, FORMAT, "an hspec-jax drafter checkpoint")
-    for part in ("params", VOCAB):
-        if not os.path.exists(os.path.join(directory, part)):
-            raise CheckpointError(f"drafter checkpoint {directory!r} has no {part}")
+    if not any(os.path.isfile(os.path.join(directory, f)) for f in (SAFETENSORS, SAFETENSORS_INDEX)):
+        raise CheckpointError(f"drafter checkpoint {directory!r} has no {SAFETENSORS}")
+    if not os.path.isfile(os.path.join(directory, VOCAB)):
+        raise CheckpointError(f"drafter checkpoint {directory!r} has no {VOCAB}")
     return config_from_dict(manifest["config"], source=os.path.join(directory, MANIFEST))
 
 
@@ -98,9 +134,27 @@ def read_vocab(path: str, config: DrafterConfig) -> DraftVocab:
     return vocab
 
 
-def restore_drafter(directory: str, target: TargetConfig | None = None) -> tuple[DrafterConfig, dict, DraftVocab]:
-    """(config, params, vocab). With `target`, the config is rebuilt for that (already loaded) target."""
-    directory = os.path.abspath(directory)
+def restore_params(directory: str, expected: dict) -> dict:
+    """The param dict stored in the safetensors of `directory` (one file or shards), checked leaf by leaf
+    against `expected` (shapes and dtypes from `jax.eval_shape`) and cast to its dtypes; errors name the first
+    missing, unknown or misshapen parameter."""
+    stored = read_state_dict(directory)
+    want = traverse_util.flatten_dict(expected, sep=".")
+    for key in sorted(want.keys() | stored.keys()):
+        if key not in stored:
+            raise CheckpointError(f"checkpoint {directory!r} is missing parameter {key}")
+        if key not in want:
+            raise CheckpointError(f"unknown parameter {key} in checkpoint {directory!r}")
+        if tuple(want[key].shape) != stored[key].shape:
+            raise CheckpointError(f"parameter {key} has shape {stored[key].shape}, expected {tuple(want[key].shape)}")
+    flat = {k: jax.numpy.asarray(stored[k].astype(want[k].dtype)) for k in want}
+    return traverse_util.unflatten_dict(flat, sep=".")
+
+
+def restore_drafter(spec: str, target: TargetConfig | None = None) -> tuple[DrafterConfig, dict, DraftVocab]:
+    """(config, params, vocab) of a drafter directory or shipped drafter name. With `target`, the config is
+    rebuilt for that (already loaded) target."""
+    directory = os.path.abspath(resolve_drafter(spec))
     config = read_drafter_config(directory)
     if target is not None:
         try:
@@ -110,6 +164,6 @@ def restore_drafter(directory: str, target: TargetConfig | None = None) -> tuple
         config = config.replace(target=target)
     vocab = read_vocab(os.path.join(directory, VOCAB), config)
     expected = jax.eval_shape(lambda: init_drafter(config, jax.random.key(0)))
-    params = restore_pytree(os.path.join(directory, "params"), expected)
+    params = restore_params(directory, expected)
     check_finite(params, directory)
     return config, params, vocab

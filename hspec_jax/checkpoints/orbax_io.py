@@ -73,7 +73,7 @@ def read_manifest(directory: str, filename: str, fmt: str, what: str) -> dict:
 
 def save_pytree(path: str, tree) -> None:
     """Write a pytree of host arrays. The calling process writes it alone (no barrier with other processes),
-    so one process of a multi-process job (e.g. training's process 0) can export a drafter by itself. A
+    so one process of a multi-process job can write a converted target by itself. A
     failing write (e.g. a full disk) is raised here with its cause, once Orbax's background threads have
     stopped; their own log of the same failure (hundreds of lines) is silenced."""
     absl_logger = logging.getLogger("absl")
