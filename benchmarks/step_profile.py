@@ -33,20 +33,21 @@ from hspec_jax.decoding.speculative import spec_decode_chunk, spec_prefill
 from hspec_jax.drafters import draft_block, init_drafter, init_from_target, propose
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.models import forward, init_cache
+from hspec_jax.models.layers import for_backend
 from hspec_jax.recipes import drafter_from_recipe, load_config
 
 # (category, pattern on the HLO op_name metadata); the first match wins; the rest is the last category.
 CATEGORIES = (
-    ("drafter Mamba-2 + seed fusion", r"HSpec/(layers_\d+/(ssm|ssm_norm)/|fc/|hidden_norm/|seed_projs)"),
+    ("drafter Mamba-2 + seed fusion", r"HSpec/(layers_\d+/(ssm|ssm_norm)/|fc(/|$)|hidden_norm/|seed_projs)"),
     ("drafter attention (target KV)", r"HSpec/layers_\d+/(self_attn|input_layernorm)/"),
     ("drafter MLP", r"HSpec/layers_\d+/(mlp|mlp_norm)/"),
     ("drafter lm_head, norms, residuals", r"HSpec/"),
-    ("q/k/v projections", r"Decoder/.*[qkv]_proj/dot_general"),
+    ("q/k/v projections", r"Decoder/.*(qkv|[qkv])_proj($|/dot_general)"),
     ("RoPE", r"Decoder/.*self_attn\.(query|key_value)/"),
     ("KV cache write", r"Decoder/.*self_attn/scatter"),
     ("o projection", r"Decoder/.*o_proj"),
     ("attention over the cache", r"Decoder/layers_\d+/self_attn/"),
-    ("MLP gate/up + SiLU", r"Decoder/.*(gate_proj|up_proj|mlp/mul|mlp/jit\(silu\))"),
+    ("MLP gate/up + SiLU", r"Decoder/.*(gate_up_proj|gate_proj|up_proj|mlp/mul|mlp/jit\(silu\)|mlp/split)"),
     ("MLP down", r"Decoder/.*down_proj"),
     ("RMSNorms + residual adds", r"Decoder/.*(layernorm|norm/|layers_\d+/add)"),
     ("lm_head (49152 x 576)", r"Decoder/btd,vd->btv"),
@@ -56,6 +57,8 @@ REST = "token choice (Markov scan), acceptance, bookkeeping"
 # Instruction line of an optimised HLO module: `%name = shape opcode(...)..., metadata={op_name="..."`.
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = ")
 OP_NAME = re.compile(r'op_name="([^"]*)"')
+# A weight operand, `%p__layers_3____mlp____gate_proj____kernel__.1` (target params `p`, drafter params `d`).
+WEIGHT = re.compile(r"%([pd])__((?:layers_\d+____)?\w+?)(?:____kernel)?__(?:\.\d+)?[,)]")
 
 
 def categorise(op_name: str, instruction: str) -> str | None:
@@ -78,7 +81,17 @@ def hlo_names(compiled_text: str) -> dict[str, str]:
         match = INSTRUCTION.match(line)
         if match:
             op_name = OP_NAME.search(line)
-            names[match.group(1)] = op_name.group(1) if op_name else ""
+            weight = WEIGHT.search(line)
+            if op_name:
+                names[match.group(1)] = op_name.group(1)
+            elif weight:  # a dot that lost its metadata (single-row products): name it by the weight it reads
+                scope = "Decoder" if weight.group(1) == "p" else "HSpec"
+                path = weight.group(2).replace("____", "/")
+                names[match.group(1)] = (
+                    f"{scope}/btd,vd->btv" if path == "embed_tokens/embedding" else f"{scope}/{path}"
+                )
+            else:
+                names[match.group(1)] = ""
     return names
 
 
@@ -144,12 +157,13 @@ def main(argv=None) -> None:
     tokens = np.arange(100, 300) % target.vocab_size
     vocab = build_draft_vocab(tokens, target.vocab_size, drafter.vocab_size, always=target.eos_token_ids)
     dparams = init_from_target(init_drafter(drafter, jax.random.key(0)), drafter, params, vocab)
+    params, dparams = for_backend(params), for_backend(dparams)  # as the engines run them (fused on CPU)
     embedding = params["embed_tokens"]["embedding"]
     greedy = SamplingConfig()
 
-    def draft_step(p, c, seed, block):
-        out = draft_block(p, drafter, embedding, block, c.lengths, target_cache=c, seed_hidden=seed)
-        return propose(out.logits[:, 1:], block[:, 0], vocab, greedy, jax.random.key(0), p.get("markov_head")).tokens
+    def draft_step(d, c, seed, block):  # `d`: drafter params (their HLO names start with d__)
+        out = draft_block(d, drafter, embedding, block, c.lengths, target_cache=c, seed_hidden=seed)
+        return propose(out.logits[:, 1:], block[:, 0], vocab, greedy, jax.random.key(0), d.get("markov_head")).tokens
 
     seed = jnp.ones((1, len(drafter.fusion_layer_ids) * target.hidden_size), jnp.float32)
     block = jnp.concatenate([jnp.ones((1, 1), jnp.int32), jnp.full((1, k), drafter.mask_token_id, jnp.int32)], 1)
