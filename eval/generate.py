@@ -73,6 +73,7 @@ from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.errors import InputError
 from hspec_jax.models import init_cache
+from hspec_jax.models.layers import for_backend
 from hspec_jax.recipes import drafter_from_recipe, load_config
 
 DEFAULT_RECIPES = {"smollm2": "smollm2"}
@@ -294,13 +295,14 @@ def generate_streaming(
 
 
 class Placement:
-    """Put params / batch / caches on the mesh (identity without one)."""
+    """Put params / batch / caches on the mesh (without one: params as `for_backend` gives them, the rest as is)."""
 
     def __init__(self, mesh, head_dim):
         self.mesh, self.head_dim = mesh, head_dim
 
     def params(self, params):
-        return params if self.mesh is None else parallel.shard_params(params, self.mesh, self.head_dim)
+        """Sharded on the mesh; on one device, as the backend runs them best (`for_backend`: fused on CPU)."""
+        return for_backend(params) if self.mesh is None else parallel.shard_params(params, self.mesh, self.head_dim)
 
     def batch(self, *arrays):
         return arrays if self.mesh is None else parallel.shard_batch(self.mesh, *arrays)

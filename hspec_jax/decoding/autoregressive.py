@@ -22,6 +22,7 @@ from hspec_jax.decoding.sampling import SamplingConfig, sample
 from hspec_jax.models.config import TargetConfig
 from hspec_jax.models.decoder import forward
 from hspec_jax.models.kv_cache import KVCache, check_capacity, commit, init_cache
+from hspec_jax.models.layers import for_backend
 
 
 class Prefilled(NamedTuple):
@@ -181,6 +182,8 @@ def generate(
         params = parallel.shard_params(params, mesh, config.head_dim)
         prompts, lengths = parallel.shard_batch(mesh, prompts, lengths)
         cache = parallel.shard_kv(mesh, cache)
+    else:
+        params = for_backend(params)
     pre = prefill(params, config, prompts, lengths, cache, first_rng, sampling)
     return decode(
         params,

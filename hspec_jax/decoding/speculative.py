@@ -38,6 +38,7 @@ from hspec_jax.drafters.vocab import DraftVocab
 from hspec_jax.models.config import TargetConfig
 from hspec_jax.models.decoder import embedding_matrix, forward
 from hspec_jax.models.kv_cache import KVCache, check_capacity, commit, init_cache
+from hspec_jax.models.layers import for_backend
 
 
 class SpecStats(NamedTuple):
@@ -321,6 +322,8 @@ def speculative_generate(
         drafter_params = parallel.shard_params(drafter_params, mesh, target.head_dim)
         prompts, lengths = parallel.shard_batch(mesh, prompts, lengths)
         cache, context = parallel.shard_kv(mesh, (cache, context))
+    else:
+        target_params, drafter_params = for_backend(target_params), for_backend(drafter_params)
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
     state, cache, context = spec_prefill(
         target_params, target, drafter_params, drafter, vocab, prompts, lengths, cache, context, rng, **kw

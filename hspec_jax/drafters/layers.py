@@ -42,8 +42,7 @@ class DraftAttention(AttentionProjections):
         b, a, t, d = x.shape
         positions = block_positions(anchors, doc_starts, t).reshape(b * a, t)
         flat = x.reshape(b * a, t, d)
-        q = self.query(flat, positions)
-        k, v = self.key_value(flat, positions)
+        q, k, v = self.query_key_value(flat, positions)
         unflat = lambda y: y.reshape(b, a, *y.shape[1:])
         k_ctx, v_ctx = context if context is not None else (None, None)
         out = target_kv_attention(

@@ -64,29 +64,55 @@ class AttentionProjections(nn.Module):
     def setup(self):
         cfg = self.config
         kw = dict(bias=cfg.qkv_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-        self.q_proj = dense(cfg.num_heads * cfg.head_dim, **kw)
-        self.k_proj = dense(cfg.num_kv_heads * cfg.head_dim, **kw)
-        self.v_proj = dense(cfg.num_kv_heads * cfg.head_dim, **kw)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.splits = (q_size, q_size + kv_size)
+        self.fused = self.has_variable("params", "qkv_proj")  # params from `fuse_projections`
+        if self.fused:
+            self.qkv_proj = dense(q_size + 2 * kv_size, **kw)
+        else:
+            self.q_proj = dense(q_size, **kw)
+            self.k_proj = dense(kv_size, **kw)
+            self.v_proj = dense(kv_size, **kw)
         self.o_proj = dense(cfg.hidden_size, bias=cfg.o_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype)
             self.k_norm = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype)
         self.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
-    def query(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """x `[B, T, D]`, positions `[B, T]` -> q `[B, T, N, H]`, normed (Qwen3) and rotated."""
-        q = self.q_proj(x).reshape(*x.shape[:2], self.config.num_heads, self.config.head_dim)
+    def query_key_value(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x `[B, T, D]`, positions `[B, T]` -> q `[B, T, N, H]`, k, v `[B, T, K, H]` (one matmul when fused)."""
+        if self.fused:
+            q, k, v = jnp.split(self.qkv_proj(x), self.splits, axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self._query(q, positions), *self._key_value(k, v, positions)
+
+    def key_value(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x `[B, T, D]`, positions `[B, T]` -> k, v `[B, T, K, H]`; k normed (Qwen3) and rotated, as cached."""
+        if self.fused:  # only the k/v columns of the fused kernel
+            kernel = self.qkv_proj.variables["params"]["kernel"][:, self.splits[0] :]
+            kv = jnp.einsum("btd,df->btf", x.astype(self.config.dtype), kernel.astype(self.config.dtype))
+            if self.config.qkv_bias:
+                kv = kv + self.qkv_proj.variables["params"]["bias"][self.splits[0] :].astype(kv.dtype)
+            k, v = jnp.split(kv, 2, axis=-1)
+        else:
+            k, v = self.k_proj(x), self.v_proj(x)
+        return self._key_value(k, v, positions)
+
+    def _query(self, q: jax.Array, positions: jax.Array) -> jax.Array:
+        """Projected q `[B, T, N*H]` -> `[B, T, N, H]`, normed (Qwen3) and rotated."""
+        q = q.reshape(*q.shape[:2], self.config.num_heads, self.config.head_dim)
         if self.config.qk_norm:
             q = self.q_norm(q)
         return apply_rope(q, positions, self.inv_freq)
 
-    def key_value(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """x `[B, T, D]`, positions `[B, T]` -> k, v `[B, T, K, H]`; k normed (Qwen3) and rotated, as cached."""
-        shape = (*x.shape[:2], self.config.num_kv_heads, self.config.head_dim)
-        k = self.k_proj(x).reshape(shape)
+    def _key_value(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Projected k, v `[B, T, K*H]` -> `[B, T, K, H]` each, k normed (Qwen3) and rotated."""
+        shape = (*k.shape[:2], self.config.num_kv_heads, self.config.head_dim)
+        k = k.reshape(shape)
         if self.config.qk_norm:
             k = self.k_norm(k)
-        return apply_rope(k, positions, self.inv_freq), self.v_proj(x).reshape(shape)
+        return apply_rope(k, positions, self.inv_freq), v.reshape(shape)
 
     def output(self, o: jax.Array) -> jax.Array:
         """o `[B, T, N, H]` -> `[B, T, D]`."""
@@ -101,8 +127,7 @@ class SelfAttention(AttentionProjections):
     def __call__(self, x, positions, k_buf, v_buf, starts, doc_starts=None):
         """x `[B, T, D]`, positions `[B, T]` (RoPE), caches `[B, S, K, H]`, starts `[B]` (first row written),
         doc_starts `[B, T]` or None -> (out `[B, T, D]`, k_buf, v_buf)."""
-        q = self.query(x, positions)
-        k, v = self.key_value(x, positions)
+        q, k, v = self.query_key_value(x, positions)
         k_buf = write_rows(k_buf, k, starts)
         v_buf = write_rows(v_buf, v, starts)
         rows = starts[:, None] + jnp.arange(x.shape[1])[None, :]

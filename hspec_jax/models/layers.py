@@ -61,9 +61,40 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kw = dict(bias=self.bias, dtype=self.dtype, param_dtype=self.param_dtype)
-        gate = dense(self.intermediate_size, "gate_proj", **kw)(x)
-        up = dense(self.intermediate_size, "up_proj", **kw)(x)
+        if self.has_variable("params", "gate_up_proj"):  # params from `fuse_projections`: one matmul
+            gate, up = jnp.split(dense(2 * self.intermediate_size, "gate_up_proj", **kw)(x), 2, axis=-1)
+        else:
+            gate = dense(self.intermediate_size, "gate_proj", **kw)(x)
+            up = dense(self.intermediate_size, "up_proj", **kw)(x)
         return dense(self.hidden_size, "down_proj", **kw)(nn.silu(gate) * up)
+
+
+# Projections that read the same input, and the one projection `fuse_projections` makes of each group.
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def fuse_projections(params: dict) -> dict:
+    """The same model with fewer, wider matmuls: in every module of a params tree (target or drafter), q/k/v
+    become one `qkv_proj` and an MLP's gate/up one `gate_up_proj`, kernels `[D, F_i]` (and biases) concatenated
+    on the output axis. Attention and MLP modules detect the fused names and split the output, so the result is
+    the unfused one (same products, one dot). On CPU, one dot over the concatenated weights is cheaper than
+    several (benchmarks/results/spec_overhead_cpu.md); the engines fuse single-device CPU params (`for_backend`).
+    New arrays: the input tree is left as it is."""
+    out = {}
+    for name, value in params.items():
+        out[name] = fuse_projections(value) if isinstance(value, dict) else value
+    for fused, parts in FUSED_PROJECTIONS.items():
+        if all(part in out for part in parts):
+            out[fused] = {key: jnp.concatenate([out[part][key] for part in parts], axis=-1) for key in out[parts[0]]}
+            for part in parts:
+                del out[part]
+    return out
+
+
+def for_backend(params: dict) -> dict:
+    """Params as the engines run them on a single device of the current backend: fused projections on CPU
+    (`fuse_projections`), unchanged elsewhere (GPU/TPU and sharded runs keep the checkpoint's layout)."""
+    return fuse_projections(params) if jax.default_backend() == "cpu" else params
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
