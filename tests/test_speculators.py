@@ -49,6 +49,13 @@ PATTERN = ["mamba", "mlp", "mamba", "attention", "mlp", "mamba", "attention", "m
 FUSION, ATTN_KV = (1, 2, 4), (1, 3, 4)
 MAMBA = dict(num_heads=4, head_dim=8, d_state=4, n_groups=2, conv_kernel=4)
 DRAFT_VOCAB, RANK = 40, 8
+# One H-Spec drafter shared by the export tests (so its compiled init is shared): own mask row, mixed layer types,
+# the writer's MLP width.
+HSPEC_FIELDS = dict(
+    mask_embedding=True,
+    attn_layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+    intermediate_size=40,
+)
 
 
 @functools.cache
@@ -462,10 +469,10 @@ def test_strict_import_errors(change, message, tmp_path):
 @pytest.mark.parametrize(
     ("kind", "target", "fields"),
     [
-        ("hspec", QWEN3, dict(attn_layer_types=("sliding_attention", "full_attention", "sliding_attention"))),
-        ("hspec", LLAMA, dict(qk_norm=True, window_mode="query")),
-        ("dspark", QWEN3, {}),
-        ("dflash", LLAMA, dict(attn_layer_types=("full_attention", "sliding_attention"))),
+        ("hspec", QWEN3, HSPEC_FIELDS),
+        ("hspec", LLAMA, dict(mask_embedding=True, qk_norm=True, window_mode="query")),
+        ("dspark", QWEN3, dict(mask_embedding=True)),
+        ("dflash", LLAMA, dict(mask_embedding=True, attn_layer_types=("full_attention", "sliding_attention"))),
     ],
     ids=["hspec-qwen3", "hspec-llama", "dspark", "dflash"],
 )
@@ -473,7 +480,7 @@ def test_round_trip(kind, target, fields, tmp_path):
     """ours -> speculators -> ours: the same config, bit-identical fp32 params and vocabulary, the same drafts;
     the mask-token row travels in embed_tokens; sharded output (an index) reads back the same."""
     target_params, cache, taps, anchors = target_setup(target)
-    config, params, vocab = our_drafter(kind, target, target_params, mask_embedding=True, **fields)
+    config, params, vocab = our_drafter(kind, target, target_params, **fields)
     export_speculators(tmp_path, params, config, vocab, target_params, verifier="tiny", max_shard_bytes=20_000)
     assert os.path.isfile(tmp_path / "model.safetensors.index.json")
     back, back_params, back_vocab = import_speculators(
@@ -490,7 +497,7 @@ def test_round_trip(kind, target, fields, tmp_path):
 def test_export_layout_names_and_bf16(tmp_path):
     """The exported H-Spec tensors have the reference's names and torch layouts, in bf16 when asked."""
     target_params = target_setup(QWEN3)[0]
-    config, params, vocab = our_drafter("hspec", QWEN3, target_params, intermediate_size=40)
+    config, params, vocab = our_drafter("hspec", QWEN3, target_params, **HSPEC_FIELDS)
     export_speculators(tmp_path, params, config, vocab, target_params, dtype=jnp.bfloat16)
     state = safetensors.numpy.load_file(tmp_path / "model.safetensors")
     spec = json.loads((tmp_path / "config.json").read_text())
@@ -509,10 +516,11 @@ def test_qk_norms_on_a_target_without_them_train():
     """Detail 2: forced q/k norms on a Llama target are the drafter's own (ones, trainable); on Qwen3 they are
     copies of the target's and stay frozen."""
     for target, trainable in ((LLAMA, True), (QWEN3, False)):
-        config, params, _ = our_drafter("hspec", target, target_setup(target)[0], qk_norm=True)
-        mask = trainable_mask(params, config)
+        fields = dict(fusion_layer_ids=FUSION, attn_kv_layer_ids=ATTN_KV, mamba=MambaConfig(**MAMBA))
+        config = drafter_config("hspec", target, qk_norm=True, mask_embedding=True, **fields)
+        mask = trainable_mask(jax.eval_shape(lambda c=config: init_drafter(c, jax.random.key(0))), config)
         assert bool(mask["layers_3"]["self_attn"]["k_norm"]["scale"]) is trainable
-        assert not mask["lm_head"]
+        assert not mask["lm_head"] and not mask["mask_embedding"]
 
 
 def test_dspark_samples_from_anchor():
@@ -583,7 +591,7 @@ def test_convert_cli_both_directions(tmp_path, capsys):
     same target (bit-identical); importing for a mismatched target is a one-line error."""
     target_params = target_setup(QWEN3)[0]
     export_hf_target(target_params, QWEN3, str(tmp_path / "target"))
-    config, params, vocab = our_drafter("hspec", QWEN3, target_params)
+    config, params, vocab = our_drafter("hspec", QWEN3, target_params, **HSPEC_FIELDS)
     save_drafter(str(tmp_path / "drafter"), params, config, vocab)
     argv = ["--from", str(tmp_path / "drafter"), "--to", str(tmp_path / "spec"), "--format", "speculators"]
     assert convert_main([*argv, "--target", str(tmp_path / "target")]) == 0
