@@ -83,8 +83,9 @@ def time_step(recipe, kind, batch, context_len, repeats):
         layers = [kv.get(i, kv[mapped[0]]) for i in range(target.num_layers)]
         target_cache = KVCache(tuple(k for k, _ in layers), tuple(v for _, v in layers), lengths)
     if config.owns_kv_cache:
-        taps = jnp.ones((batch, config.block_size, fused), jnp.float32)  # the rows verified last step
-        positions = lengths[:, None] - config.block_size + jnp.arange(config.block_size)
+        verified = config.num_drafts + 1
+        taps = jnp.ones((batch, verified, fused), jnp.float32)  # the rows verified last step
+        positions = lengths[:, None] - verified + jnp.arange(verified)
         new_context = (taps, positions, positions[:, 0])
     context = jax.tree.map(lambda x: x + 1.0, drafter_context(config, batch, context_len + 64))
     step = drafter_step_fn(config)

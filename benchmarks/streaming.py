@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     vocab = build_draft_vocab(np.asarray(ids), target.vocab_size, drafter.vocab_size, always=target.eos_token_ids)
     dparams = init_from_target(init_drafter(drafter, jax.random.key(0)), drafter, params, vocab)
     kw = dict(max_new_tokens=n, sampling=SamplingConfig(), eos_ids=(), pad_id=0, seed=0)
-    capacity = len(ids) + n + drafter.block_size
+    capacity = len(ids) + n + drafter.num_drafts + 1
     engines = {
         "plain": compile_autoregressive(params, target, tokens, lengths, capacity, **kw),
         "spec": compile_speculative(params, target, dparams, drafter, vocab, tokens, lengths, capacity, **kw),

@@ -188,7 +188,7 @@ def plan(args) -> Request:
     drafter = drafter_config(args, target)
     longest = max(len(p) for p in ids)
     check_context(target, longest, args.max_new_tokens)
-    lookahead = drafter.block_size if drafter else 0
+    lookahead = drafter.num_drafts + 1 if drafter else 0
     capacity = args.cache_length or cache_rows(longest, args.max_new_tokens, lookahead)
     check_cache_length(capacity, longest, args.max_new_tokens, lookahead)
     extra = {}
@@ -213,7 +213,7 @@ def drafter_config(args, target):
     try:
         check_target(config, target)
         config = config.replace(target=target)
-        return config if args.k is None else config.replace(block_size=args.k + 1)
+        return config if args.k is None else config.with_drafts(args.k)
     except ValueError as e:
         raise InputError(f"--drafter {args.drafter}: {e}") from None
 

@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             request = argparse.Namespace(drafter=spec, recipe=target.recipe, target=args.target, k=None)
             config = drafter_config(request, target.config)
             drafter = (config, *load_drafter(spec, config, target.params, first_turns))
-            methods.append(Method(spec, drafter, config.block_size))
+            methods.append(Method(spec, drafter, config.num_drafts + 1))
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -60,7 +60,7 @@ def run(config, params, setup, *, cache=None, hidden=None, anchor_tokens=(5, 9))
     hidden = prefill_hidden if hidden is None else hidden
     anchors = cache.lengths
     block = jnp.concatenate(
-        [jnp.array(anchor_tokens)[:, None], jnp.full((2, config.num_drafts), config.mask_token_id)], 1
+        [jnp.array(anchor_tokens)[:, None], jnp.full((2, config.block_size - 1), config.mask_token_id)], 1
     )
     positions = jnp.broadcast_to(jnp.arange(hidden.shape[1]), hidden.shape[:2])
     kw = dict(  # every input; each kind reads what it uses

@@ -137,7 +137,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
         seq_len=config.data.seq_len,
         batch_size=batch_size,
         max_anchors=config.data.max_anchors,
-        block_size=drafter.block_size,
+        block_size=drafter.num_drafts + 1,  # anchor + k drafted tokens (any block layout)
         seed=config.data.seed,
         process_index=jax.process_index(),
         process_count=jax.process_count(),

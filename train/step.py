@@ -30,6 +30,7 @@ from hspec_jax.drafters.api import block_inputs, draft_blocks, seed_hidden_at
 from hspec_jax.drafters.config import DrafterConfig
 from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.drafters.inputs import DraftInputs
+from hspec_jax.drafters.output import DraftOutput
 from hspec_jax.drafters.params import trainable_mask
 from hspec_jax.drafters.vocab import DraftVocab
 from hspec_jax.models.config import TargetConfig
@@ -96,13 +97,22 @@ def block_target_logits(target_params, target: TargetConfig, last, anchors, bloc
     return output_logits(target_params, target, last[rows, source_rows], vocab.d2t)
 
 
+def dflash_layout(out: DraftOutput, drafter) -> DraftOutput:
+    """A `sample_from_anchor` drafter's output `[B, A, k, ...]` (slot i drafts token a + i + 1) in the layout the
+    loss reads, `[B, A, k + 1, ...]` with slot j for token a + j: a zero slot 0 (never supervised) in front."""
+    if not drafter.sample_from_anchor:
+        return out
+    pad = lambda x: None if x is None else jnp.concatenate([jnp.zeros_like(x[:, :, :1]), x], axis=2)
+    return out._replace(hidden=pad(out.hidden), logits=pad(out.logits), confidence=pad(out.confidence))
+
+
 def chunk_sums(params, target_params, vocab: DraftVocab, config: StepConfig, batch, features, anchors, valid):
     """Loss statistics (`slot_sums`) of the blocks at `anchors [B, A']` (one chunk)."""
     drafter = config.drafter
-    t = drafter.block_size
+    t = drafter.num_drafts + 1  # the anchor and the k tokens drafted after it
     tokens, positions = batch["tokens"], batch["positions"]
     rows = jnp.arange(tokens.shape[0])[:, None]
-    block, prev, _ = block_inputs(tokens, anchors, t, drafter.mask_token_id)
+    block, prev, _ = block_inputs(tokens, anchors, drafter.block_size, drafter.mask_token_id, drafter.first_draft_slot)
     batch_size, length = tokens.shape
     inputs = DraftInputs(
         embedding=embedding_matrix(target_params),
@@ -115,7 +125,7 @@ def chunk_sums(params, target_params, vocab: DraftVocab, config: StepConfig, bat
         new_context=(features.fused, positions, jnp.zeros((batch_size,), jnp.int32)),
         prev_tokens=prev,
     )
-    out = draft_blocks(params, drafter, inputs)
+    out = dflash_layout(draft_blocks(params, drafter, inputs), drafter)
     target_logits = block_target_logits(target_params, config.target, features.last, anchors, t, vocab)
     mask = block_mask(batch, anchors, valid, t)
     return slot_sums(out.logits, target_logits, mask, config.weights.gamma, out.confidence)

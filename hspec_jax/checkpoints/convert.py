@@ -1,7 +1,10 @@
-"""Convert a target checkpoint to Orbax (default) or to a Hugging Face directory.
+"""Convert a target checkpoint to Orbax (default) or to a Hugging Face directory, and drafters in and out of
+the speculators format (what vLLM serves).
 
 python -m hspec_jax.checkpoints.convert --from smollm2 --to /tmp/smollm2-orbax
 python -m hspec_jax.checkpoints.convert --from model.gguf --to /tmp/hf-dir --format hf --dtype bfloat16
+python -m hspec_jax.checkpoints.convert --from runs/x/drafter --to /tmp/spec --format speculators --target smollm2
+python -m hspec_jax.checkpoints.convert --from /tmp/spec --to /tmp/drafter --format drafter --target smollm2
 
 Every argument is checked before any weights are read: the source exists and its config is readable, the
 destination is absent or empty, writable, and has room for the weights. The output directory appears only
@@ -14,11 +17,22 @@ import sys
 
 import jax
 
+from hspec_jax.checkpoints.drafter_io import read_drafter_config, restore_drafter, save_drafter
 from hspec_jax.checkpoints.hf import CheckpointError, check_output_directory, export_hf_target
 from hspec_jax.checkpoints.orbax_io import save_target
 from hspec_jax.checkpoints.sources import load_target, load_tokenizer, read_target_config
+from hspec_jax.checkpoints.speculators import (
+    export_speculators,
+    import_speculators,
+    read_speculators_config,
+    speculators_drafter_config,
+)
 from hspec_jax.cli import ArgumentParser, float_dtype, run
+from hspec_jax.drafters.api import init_drafter
+from hspec_jax.drafters.config import WINDOW_MODES, check_target
 from hspec_jax.models import init_params
+
+FORMATS = ("orbax", "hf", "speculators", "drafter")
 
 
 def parse_args(argv: list[str] | None = None):
@@ -27,18 +41,81 @@ def parse_args(argv: list[str] | None = None):
         "--from",
         dest="source",
         required=True,
-        help="smollm2, an HF directory, a .gguf file or an Orbax target",
+        help="smollm2, an HF directory, a .gguf file or an Orbax target; with --format speculators a drafter "
+        "checkpoint directory; with --format drafter a speculators checkpoint (directory or its config/safetensors)",
     )
     parser.add_argument("--to", required=True, help="output directory (must not exist or be empty)")
-    parser.add_argument("--format", choices=["orbax", "hf"], default="orbax", help="output format")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="orbax",
+        help="output format: orbax / hf (targets), speculators (export a drafter), drafter (import a speculators one)",
+    )
     parser.add_argument(
         "--dtype", type=float_dtype, default=None, help="store weights in this dtype (e.g. bfloat16); default: keep"
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="the drafter's target (verifier): required to import; on export it supplies embed_tokens",
+    )
+    parser.add_argument(
+        "--verifier", default=None, help="verifier name_or_path written on export (default: the --target value)"
+    )
+    parser.add_argument(
+        "--window-mode",
+        choices=WINDOW_MODES,
+        default="query",
+        help="imported drafter's sliding window: per query as vLLM serves (default) or anchored at the block",
+    )
+    f = parser.parse_args(argv)
+    if f.format == "drafter" and f.target is None:
+        parser.error("--format drafter (import from speculators) needs --target")
+    if f.format == "drafter" and f.dtype is not None:
+        parser.error("--dtype does not apply to --format drafter (the drafter keeps the target's dtype)")
+    return f
+
+
+def export_drafter(f) -> int:
+    """A drafter checkpoint -> a speculators directory."""
+    config = read_drafter_config(f.source)
+    target = read_target_config(f.target) if f.target else None
+    if target is not None:
+        try:
+            check_target(config, target)
+        except ValueError as e:
+            raise CheckpointError(f"{f.source}: {e}") from None
+    shapes = jax.eval_shape(lambda: init_drafter(config, jax.random.key(0)))
+    embed = target.vocab_size * target.hidden_size * 4 if target else 0
+    check_output_directory(f.to, needed_bytes=embed + sum(x.size * 4 for x in jax.tree.leaves(shapes)))
+    config, params, vocab = restore_drafter(f.source)
+    target_params = load_target(f.target)[1] if f.target else None
+    if target_params is None:
+        print("warning: no --target: embed_tokens is left out (the verifier's table is used)", file=sys.stderr)
+    verifier = f.verifier or f.target
+    export_speculators(f.to, params, config, vocab, target_params, verifier=verifier, dtype=f.dtype)
+    print(f"wrote speculators checkpoint of a {config.kind} drafter to {f.to}")
+    return 0
+
+
+def import_drafter(f) -> int:
+    """A speculators checkpoint -> a drafter checkpoint directory for the given target."""
+    check_output_directory(f.to)
+    directory, spec = read_speculators_config(f.source)
+    speculators_drafter_config(spec, read_target_config(f.target), window_mode=f.window_mode, path=directory)
+    target, target_params = load_target(f.target)
+    config, params, vocab = import_speculators(f.source, target, target_params, window_mode=f.window_mode)
+    save_drafter(f.to, params, config, vocab)
+    print(f"wrote {config.kind} drafter ({spec['speculators_model_type']}) for {target.model_type} to {f.to}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     f = parse_args(argv)
+    if f.format == "speculators":
+        return export_drafter(f)
+    if f.format == "drafter":
+        return import_drafter(f)
     overrides = {"param_dtype": f.dtype} if f.dtype else {}
     check_output_directory(f.to)
     config = read_target_config(f.source, **overrides)

@@ -96,7 +96,8 @@ def _draft_next(
 ):
     """Draft k tokens after `anchor` (at position cache.lengths) -> (tokens, probs, context)."""
     k = drafter.num_drafts
-    block = jnp.concatenate([anchor[:, None], jnp.full((anchor.shape[0], k), drafter.mask_token_id, jnp.int32)], 1)
+    masks = jnp.full((anchor.shape[0], drafter.block_size - 1), drafter.mask_token_id, jnp.int32)
+    block = jnp.concatenate([anchor[:, None], masks], 1)
     out = draft_block(
         drafter_params,
         drafter,
@@ -108,7 +109,9 @@ def _draft_next(
         context_kv=context,
         new_context=new_context,
     )
-    proposal = propose(out.logits[:, 1:], anchor, vocab, sampling, rng, drafter_params.get("markov_head"))
+    proposal = propose(
+        out.logits[:, drafter.first_draft_slot :], anchor, vocab, sampling, rng, drafter_params.get("markov_head")
+    )
     probs = proposal.probs if not sampling.greedy else jnp.zeros((anchor.shape[0], k, 1), jnp.float32)
     return proposal.tokens, probs, (out.context_kv if out.context_kv is not None else context)
 

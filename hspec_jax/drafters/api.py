@@ -19,7 +19,7 @@ from hspec_jax.drafters.hspec import HSpec
 from hspec_jax.drafters.inputs import DraftInputs
 from hspec_jax.drafters.output import DraftOutput
 from hspec_jax.drafters.vocab import DraftVocab, draft_rows
-from hspec_jax.models.decoder import lm_head_matrix
+from hspec_jax.models.decoder import embedding_matrix, lm_head_matrix
 from hspec_jax.models.kv_cache import KVCache, init_cache
 
 _INIT_CONTEXT_ROWS = 8
@@ -57,7 +57,20 @@ def init_drafter(config: DrafterConfig, rng: jax.Array) -> dict:
     """Randomly initialised drafter parameters (the frozen pieces get real values from `init_from_target`)."""
     inputs = _example_inputs(config)
     embeds = inputs.embedding[inputs.block_tokens]
-    return drafter_module(config).init(rng, embeds, inputs, _mapped_kv(config, inputs))["params"]
+    params = drafter_module(config).init(rng, embeds, inputs, _mapped_kv(config, inputs))["params"]
+    if config.mask_embedding:
+        params["mask_embedding"] = jnp.zeros((config.target.hidden_size,), config.storage_dtype)
+    return params
+
+
+def block_embeddings(params: dict, config: DrafterConfig, embedding: jax.Array, block_tokens: jax.Array) -> jax.Array:
+    """block_tokens `[..., T]` -> `[..., T, D]`: rows of the target's embedding `[V, D]`, except that a drafter
+    with its own `mask_embedding` row uses it for `mask_token_id`."""
+    embeds = embedding[block_tokens]
+    if not config.mask_embedding:
+        return embeds
+    row = params["mask_embedding"].astype(embeds.dtype)
+    return jnp.where((block_tokens == config.mask_token_id)[..., None], row, embeds)
 
 
 def mirrored_target_layers(config: DrafterConfig) -> dict[str, int]:
@@ -91,11 +104,14 @@ def init_from_target(params: dict, config: DrafterConfig, target_params: dict, v
     out["lm_head"] = draft_rows(lm_head_matrix(target_params, config.target), vocab).astype(dtype)
     # Copies, never the target's own buffers: donating the drafter's params must not free the target's.
     copy = lambda x, ref: jnp.array(x, dtype=ref.dtype, copy=True)
+    if config.mask_embedding:
+        row = embedding_matrix(target_params)[config.mask_token_id]
+        out["mask_embedding"] = copy(row, params["mask_embedding"])
     for name, layer in mirrored_target_layers(config).items():
         source = target_params[f"layers_{layer}"]["self_attn"]
         attn = out[name]["self_attn"]
         for key in COPIED_FROM_TARGET:
-            if key in attn:
+            if key in attn and key in source:  # q/k norms the target lacks keep their init (ones) and train
                 attn[key] = jax.tree.map(copy, source[key], attn[key])
     return out
 
@@ -113,7 +129,7 @@ def draft_blocks(params: dict, config: DrafterConfig, inputs: DraftInputs) -> Dr
     Every family takes the same `DraftInputs` and ignores what it does not use: H-Spec reads `seed_hidden`
     and the target cache; DFlash/DSpark their `context_kv` (after injecting `new_context`); "DFlash + target
     KV" the target cache. Returns a `DraftOutput` `[B, A, T, ...]` (logits over the draft vocabulary, fp32)."""
-    embeds = inputs.embedding[inputs.block_tokens]
+    embeds = block_embeddings(params, config, inputs.embedding, inputs.block_tokens)
     return drafter_module(config).apply({"params": params}, embeds, inputs, _mapped_kv(config, inputs))
 
 
@@ -149,16 +165,18 @@ def draft_block(
     return DraftOutput(squeeze(out.hidden), squeeze(out.logits), squeeze(out.confidence), out.context_kv)
 
 
-def block_inputs(tokens: jax.Array, anchors: jax.Array, block_size: int, mask_token_id: int):
+def block_inputs(tokens: jax.Array, anchors: jax.Array, block_size: int, mask_token_id: int, shift: int = 1):
     """Training blocks from whole sequences. tokens `[B, S]`, anchors `[B, A]` ->
-    (block_tokens `[B, A, T]` = [x_a, MASK...], prev_tokens `[B, A, T]` with prev of slot i = x_{a+i-1}
-    (teacher forcing; slot 0 gets x_a and predicts nothing), labels `[B, A, T]` = x_{a+i})."""
+    (block_tokens `[B, A, T]` = [x_a, MASK...], prev_tokens `[B, A, T]`, labels `[B, A, T]`). With `shift` = 1
+    (DFlash layout) slot i predicts x_{a+i} and its prev is x_{a+i-1} (teacher forcing; slot 0 gets x_a and
+    predicts nothing); with `shift` = 0 (`sample_from_anchor`) slot i predicts x_{a+i+1} and its prev is x_{a+i}."""
     offsets = jnp.arange(block_size)
     rows = jnp.arange(tokens.shape[0])[:, None, None]
     at = lambda idx: tokens[rows, jnp.clip(idx, 0, tokens.shape[1] - 1)]
-    labels = at(anchors[..., None] + offsets)
-    prev = at(anchors[..., None] + jnp.maximum(offsets - 1, 0))
-    block = jnp.where(offsets == 0, labels, mask_token_id)
+    start = anchors[..., None]
+    labels = at(start + offsets + 1 - shift)
+    prev = at(start + jnp.maximum(offsets - shift, 0))
+    block = jnp.where(offsets == 0, at(start), mask_token_id)
     return block, prev, labels
 
 

@@ -6,6 +6,9 @@
   cache). `markov_rank > 0` makes it DSpark; `kv_source="target"` is "DFlash + direct target-KV reuse".
 
 `drafter_config(kind, target, **fields)` builds any of them by name; `DRAFTER_KINDS` lists the names.
+"dspark" is DSpark as speculators defines it (`sample_from_anchor=True`: the block is [anchor, MASK x (k - 1)]
+and every slot drafts, slot i the token i + 1 after the anchor); "dflash_markov" is DFlash + Markov head on
+the DFlash block layout (slot 0 = the anchor, predicting nothing).
 Layer-id conventions: `fusion_layer_ids` are target tap ids (tap i = the residual stream entering target
 layer i, HF `hidden_states[i]`); `attn_kv_layer_ids` are target decoder-layer indices whose KV cache is read.
 """
@@ -22,12 +25,23 @@ PAPER_BLOCK_PATTERN = ("mamba", "mlp", "mamba", "attn", "mlp", "mamba", "attn", 
 SUBLAYER_KINDS = ("mamba", "attn", "mlp")
 SEED_MODES = ("per_layer", "shared", "once")
 KV_SOURCES = ("inject", "target")
+WINDOW_MODES = ("block", "query")
+ATTN_LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 @dataclasses.dataclass(frozen=True)
 class DrafterCommon:
     """Fields every drafter has. Block = [anchor, MASK x (block_size - 1)]; slot i predicts the token i
-    positions after the anchor. `draft_vocab_size=None` drafts over the full target vocabulary."""
+    positions after the anchor (i + 1 with `sample_from_anchor`, where slot 0 drafts too).
+    `draft_vocab_size=None` drafts over the full target vocabulary.
+
+    Attention layout: `attn_layer_types` gives each attention layer (H-Spec: attention sub-layer; DFlash: layer)
+    "sliding_attention" (window `sliding_window`, causal inside the block) or "full_attention" (no window,
+    bidirectional inside the block); empty = every layer windowed, with the family's own block causality.
+    `window_mode`: "block" = every slot sees the context rows [a - W, a) (the reference's training mask),
+    "query" = slot t sees rows >= a + t - W + 1 (a window relative to each query, as vLLM serves it).
+    `mask_embedding`: the drafter carries its own embedding row for `mask_token_id` (param `mask_embedding`
+    `[D]`, frozen) instead of the target's (imported checkpoints whose mask row was re-initialised)."""
 
     target: TargetConfig
     fusion_layer_ids: tuple[int, ...]
@@ -37,6 +51,10 @@ class DrafterCommon:
     fusion_rank: int | None = None  # width of the fused latent; None = target hidden size
     intermediate_size: int | None = None  # MLP width; None = the target's
     sliding_window: int | None = 2048
+    attn_layer_types: tuple[str, ...] = ()
+    window_mode: str = "block"
+    sample_from_anchor: bool = False
+    mask_embedding: bool = False
     markov_rank: int = 0
     confidence_head: bool = False
     attention_impl: str = "auto"
@@ -49,8 +67,8 @@ class DrafterCommon:
                 raise ValueError(f"attention KV layer id {layer} out of range 0..{self.target.num_layers - 1}")
 
     def _check_common(self):
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {self.block_size}")
+        if self.block_size < 1 or self.num_drafts < 1:
+            raise ValueError(f"block_size {self.block_size} drafts no token (the anchor needs at least one draft)")
         for tap in self.fusion_layer_ids:
             if not 0 <= tap <= self.target.num_layers:
                 raise ValueError(f"fusion layer id {tap} out of range 0..{self.target.num_layers}")
@@ -60,11 +78,41 @@ class DrafterCommon:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.target.vocab_size}")
         if self.confidence_head and not self.markov_rank:
             raise ValueError("the confidence head reads the Markov embedding: it needs markov_rank > 0")
+        if self.window_mode not in WINDOW_MODES:
+            raise ValueError(f"unknown window_mode {self.window_mode!r}; choose from {WINDOW_MODES}")
+        for kind in self.attn_layer_types:
+            if kind not in ATTN_LAYER_TYPES:
+                raise ValueError(f"unknown attention layer type {kind!r}; choose from {ATTN_LAYER_TYPES}")
+        if "sliding_attention" in self.attn_layer_types and not self.sliding_window:
+            raise ValueError("sliding_attention layers need a sliding_window")
+        if self.sliding_window is not None and self.window_mode == "query" and self.sliding_window < self.block_size:
+            raise ValueError(f"a per-query window needs sliding_window >= block_size ({self.block_size})")
+
+    def _check_layer_types(self, num_layers: int) -> None:
+        if self.attn_layer_types and len(self.attn_layer_types) != num_layers:
+            raise ValueError(f"attn_layer_types has {len(self.attn_layer_types)} entries for {num_layers} layers")
+
+    def attention_layout(self, index: int, default_causal: bool) -> tuple[int | None, bool]:
+        """(window, causal inside the block) of attention layer `index`."""
+        if not self.attn_layer_types:
+            return self.sliding_window, default_causal
+        if self.attn_layer_types[index] == "full_attention":
+            return None, False
+        return self.sliding_window, True
 
     @property
     def num_drafts(self) -> int:
         """k, the number of drafted tokens per step."""
-        return self.block_size - 1
+        return self.block_size - 1 + self.sample_from_anchor
+
+    @property
+    def first_draft_slot(self) -> int:
+        """The block slot holding the first draft (1, or 0 with `sample_from_anchor`)."""
+        return 0 if self.sample_from_anchor else 1
+
+    def with_drafts(self, k: int):
+        """This config drafting k tokens per step."""
+        return self.replace(block_size=k + 1 - self.sample_from_anchor)
 
     @property
     def vocab_size(self) -> int:
@@ -101,9 +149,11 @@ class HSpecConfig(DrafterCommon):
     confidence_head: bool = True
     use_state_injection: bool = True
     use_target_kv: bool = True
+    qk_norm: bool | None = None  # per-head q/k norms on the block's queries and keys; None = the target's
 
     def __post_init__(self):
         self._check_common()
+        self._check_layer_types(self.block_pattern.count("attn"))
         for kind in self.block_pattern:
             if kind not in SUBLAYER_KINDS:
                 raise ValueError(f"unknown sub-layer {kind!r} in block_pattern; choose from {SUBLAYER_KINDS}")
@@ -119,6 +169,11 @@ class HSpecConfig(DrafterCommon):
             raise ValueError(f"unknown seed_mode {self.seed_mode!r}; choose from {SEED_MODES}")
 
     owns_kv_cache = False  # reads the target's cache in place
+
+    @property
+    def attention_qk_norm(self) -> bool:
+        """Whether the block's queries and keys get q/k norms (never applied to the target's cached keys)."""
+        return self.target.qk_norm if self.qk_norm is None else self.qk_norm
 
     @property
     def kind(self) -> str:
@@ -160,6 +215,7 @@ class DFlashConfig(DrafterCommon):
 
     def __post_init__(self):
         self._check_common()
+        self._check_layer_types(self.num_layers)
         if self.kv_source not in KV_SOURCES:
             raise ValueError(f"unknown kv_source {self.kv_source!r}; choose from {KV_SOURCES}")
         if self.kv_source == "target":
@@ -181,7 +237,9 @@ class DFlashConfig(DrafterCommon):
     def kind(self) -> str:
         if self.kv_source == "target":
             return "dflash_target_kv"
-        return "dspark" if self.markov_rank else "dflash"
+        if self.markov_rank:
+            return "dspark" if self.sample_from_anchor else "dflash_markov"
+        return "dflash"
 
     @property
     def attention_qk_norm(self) -> bool:
@@ -217,13 +275,22 @@ def check_target(drafter: DrafterConfig, target: TargetConfig) -> None:
         raise ValueError("drafter and target do not match (" + "; ".join(wrong) + ")")
 
 
-DRAFTER_KINDS = ("hspec", "hspec_kv_only", "hspec_last_token", "dflash", "dspark", "dflash_target_kv")
+DRAFTER_KINDS = (
+    "hspec",
+    "hspec_kv_only",
+    "hspec_last_token",
+    "dflash",
+    "dspark",
+    "dflash_markov",
+    "dflash_target_kv",
+)
 
 
 def drafter_config(kind: str, target: TargetConfig, **fields) -> DrafterConfig:
     """A drafter config by kind name. `fields` are the recipe (layer ids, Mamba shape, ranks ...); fields of
     another drafter family are ignored, so one recipe dict can build every kind, but a field no family has
-    is an error naming it (a typo in a recipe or a command-line override must not pass silently)."""
+    is an error naming it (a typo in a recipe or a command-line override must not pass silently).
+    A recipe's `block_size` is 1 + k for every kind: "dspark" (sample_from_anchor) gets a block of k slots."""
     if kind not in DRAFTER_KINDS:
         raise ValueError(f"unknown drafter kind {kind!r}; choose from {DRAFTER_KINDS}")
     known = {f.name for cls in FAMILIES.values() for f in dataclasses.fields(cls)} - {"target"}
@@ -242,9 +309,11 @@ def drafter_config(kind: str, target: TargetConfig, **fields) -> DrafterConfig:
     elif kind == "dflash_target_kv":
         fields.update(kv_source="target", markov_rank=0, confidence_head=False)
         fields.setdefault("target_kv_layer_ids", _target_kv_layers(fields, target))
-    elif kind == "dspark":
+    elif kind in ("dspark", "dflash_markov"):
         fields.setdefault("markov_rank", 256)
         fields.setdefault("confidence_head", True)
+        anchored = kind == "dspark"
+        fields.update(sample_from_anchor=anchored, block_size=fields.get("block_size", 8) - anchored)
     return family(target=target, **fields)
 
 

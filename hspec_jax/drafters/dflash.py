@@ -30,6 +30,7 @@ class DFlashLayer(nn.Module):
     """A Qwen3-style decoder layer whose attention reads a context cache; optionally injects into it first."""
 
     config: DFlashConfig
+    index: int = 0  # which drafter layer (its attention layout)
 
     @nn.compact
     def __call__(self, h, anchors, doc_starts, context, new_rows=None):
@@ -40,7 +41,8 @@ class DFlashLayer(nn.Module):
         target = cfg.target
         dtype, pdtype, eps = cfg.compute_dtype, cfg.storage_dtype, target.rms_norm_eps
         attention = target.replace(dtype=dtype, param_dtype=pdtype, qk_norm=cfg.attention_qk_norm)
-        attn = DraftAttention(attention, cfg.sliding_window, cfg.block_causal, cfg.attention_impl, name="self_attn")
+        window, causal = cfg.attention_layout(self.index, default_causal=cfg.block_causal)
+        attn = DraftAttention(attention, window, causal, cfg.window_mode, cfg.attention_impl, name="self_attn")
         if new_rows is not None:
             latent, positions, starts = new_rows
             k_new, v_new = attn.key_value(latent, positions)
@@ -74,7 +76,7 @@ class DFlash(nn.Module):
         h = embeds.astype(dtype)
         updated = []
         for i in range(cfg.num_layers):
-            layer = DFlashLayer(cfg, name=f"layers_{i}")
+            layer = DFlashLayer(cfg, i, name=f"layers_{i}")
             h, context = layer(h, inputs.anchors, inputs.doc_starts, context_kv[i], new_rows)
             updated.append(context)
         hidden, logits = draft_logits(self, cfg, h)

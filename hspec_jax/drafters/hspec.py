@@ -6,7 +6,10 @@ One forward drafts a whole block [anchor, MASK x k] at positions a .. a+k:
    then per seed projection S0 = seed_proj(z) viewed as `[H, P, N]` (O(1) memory in the context length);
 2. the sub-layers of `block_pattern`: Mamba-2 from S0 (zero conv history), attention whose queries are the
    block and whose context is the target's own cached K/V of one mapped layer (read in place, rows < a,
-   within the sliding window) plus the block itself (causal), and SwiGLU MLPs; all pre-norm + residual;
+   within the sliding window) plus the block itself (causal for windowed sub-layers, bidirectional for
+   full-attention ones; `attention_layout`), and SwiGLU MLPs; all pre-norm + residual. The block's queries and
+   keys get q/k norms when `attention_qk_norm` (the target's setting, or forced on as in the reference for
+   targets without them); the cached context keys are used as stored;
 3. final norm, the frozen draft lm_head (target lm_head rows of the draft vocabulary), and the Markov /
    confidence heads (`heads.py`).
 
@@ -47,7 +50,7 @@ class HSpec(nn.Module):
             for j in range(cfg.num_seed_projections):
                 seed = dense(size, f"seed_projs_{j}", dtype=dtype, param_dtype=pdtype)(latent)
                 seeds.append(seed.astype(jnp.float32).reshape(b, a, *cfg.mamba.state_shape))
-        attention = target.replace(dtype=dtype, param_dtype=pdtype)
+        attention = target.replace(dtype=dtype, param_dtype=pdtype, qk_norm=cfg.attention_qk_norm)
         h = embeds.astype(dtype)
         mamba_index = attn_index = 0
         for i, kind in enumerate(cfg.block_pattern):
@@ -58,8 +61,9 @@ class HSpec(nn.Module):
                 mamba_index += 1
             elif kind == "attn":
                 context = target_kv[attn_index] if cfg.use_target_kv else None
+                window, causal = cfg.attention_layout(attn_index, default_causal=True)
                 sub = AttentionSubLayer(
-                    attention, eps, cfg.sliding_window, True, cfg.attention_impl, name=f"layers_{i}"
+                    attention, eps, window, causal, cfg.window_mode, cfg.attention_impl, name=f"layers_{i}"
                 )
                 h = sub(h, inputs.anchors, inputs.doc_starts, context)
                 attn_index += 1

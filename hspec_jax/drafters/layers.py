@@ -34,6 +34,7 @@ class DraftAttention(AttentionProjections):
 
     window: int | None = None
     causal: bool = True
+    window_mode: str = "block"
     impl: str = "auto"
 
     def __call__(self, x, anchors, doc_starts, context):
@@ -55,6 +56,7 @@ class DraftAttention(AttentionProjections):
             doc_starts,
             window=self.window,
             causal=self.causal,
+            per_query_window=self.window_mode == "query",
             impl=self.impl,
         )
         return self.output(out.reshape(b * a, t, *out.shape[3:])).reshape(b, a, t, d)
@@ -67,12 +69,13 @@ class AttentionSubLayer(nn.Module):
     eps: float
     window: int | None = None
     causal: bool = True
+    window_mode: str = "block"
     impl: str = "auto"
 
     @nn.compact
     def __call__(self, h, anchors, doc_starts, context):
         normed = RMSNorm(self.eps, self.attention.param_dtype, name="input_layernorm")(h)
-        attn = DraftAttention(self.attention, self.window, self.causal, self.impl, name="self_attn")
+        attn = DraftAttention(self.attention, self.window, self.causal, self.window_mode, self.impl, name="self_attn")
         return h + attn(normed, anchors, doc_starts, context)
 
 

@@ -162,7 +162,8 @@ def gated_rms_norm(y: jax.Array, z: jax.Array, scale: jax.Array, out_dtype) -> j
 
 
 class DepthwiseConv(nn.Module):
-    """Causal depthwise conv over `[B, L, C]` with a `[K, C]` kernel and `[C]` bias (zero history)."""
+    """Causal depthwise conv over `[B, L, C]` with a `[K, C]` kernel and `[C]` bias (zero history), computed in
+    fp32 and cast back to the input dtype (as vLLM's path for short blocks)."""
 
     kernel_size: int
     dtype: Any = jnp.float32
@@ -173,7 +174,8 @@ class DepthwiseConv(nn.Module):
         channels = x.shape[-1]
         kernel = self.param("kernel", nn.initializers.normal(INIT_STD), (self.kernel_size, channels), self.param_dtype)
         bias = self.param("bias", nn.initializers.zeros, (channels,), self.param_dtype)
-        return causal_depthwise_conv(x, kernel.astype(self.dtype), bias.astype(self.dtype))
+        f32 = lambda a: a.astype(jnp.float32)
+        return causal_depthwise_conv(f32(x), f32(kernel), f32(bias)).astype(x.dtype)
 
 
 class Mamba2Mixer(nn.Module):
@@ -217,5 +219,6 @@ class Mamba2Mixer(nn.Module):
             cfg.chunk_size,
         )
         scale = self.param("norm", nn.initializers.ones, (cfg.d_inner,), self.param_dtype)
-        y = gated_rms_norm(y.reshape(b, length, cfg.d_inner), z, scale, self.dtype)
+        # The scan's fp32 output is rounded to the compute dtype before the (fp32) gated norm, as the reference.
+        y = gated_rms_norm(y.reshape(b, length, cfg.d_inner).astype(self.dtype), z, scale, self.dtype)
         return dense(self.hidden_size, "out_proj", **kw)(y), final

@@ -8,9 +8,11 @@ import numpy as np
 from hspec_jax.drafters.api import mirrored_target_layers
 from hspec_jax.drafters.config import DrafterConfig
 
-# Kept frozen: the draft lm_head (target rows), and the q/k norms copied from the target layers whose
-# KV cache is read (block keys must stay normalised exactly like the cached ones).
+# Kept frozen: the draft lm_head (target rows), the drafter's own mask-token embedding row, and the q/k norms
+# copied from the target layers whose KV cache is read (block keys must stay normalised exactly like the cached
+# ones). q/k norms of a target without them (Llama) have nothing to copy and train.
 FROZEN_COPIES = ("q_norm", "k_norm")
+FROZEN_TOP = ("lm_head", "mask_embedding")
 
 
 def _path(key_path) -> tuple[str, ...]:
@@ -18,10 +20,11 @@ def _path(key_path) -> tuple[str, ...]:
 
 
 def is_trainable(config: DrafterConfig, path: tuple[str, ...]) -> bool:
-    if path[0] == "lm_head":
+    if path[0] in FROZEN_TOP:
         return False
     mirrored = mirrored_target_layers(config)
-    return not (path[0] in mirrored and len(path) > 2 and path[1] == "self_attn" and path[2] in FROZEN_COPIES)
+    copied = config.target.qk_norm and len(path) > 2 and path[1] == "self_attn" and path[2] in FROZEN_COPIES
+    return not (path[0] in mirrored and copied)
 
 
 def trainable_mask(params: dict, config: DrafterConfig):
@@ -40,6 +43,7 @@ _TOP_COMPONENTS = {
     "hidden_norm": "fusion of target hidden states",
     "norm": "final norm",
     "lm_head": "draft lm_head",
+    "mask_embedding": "mask embedding",
     "markov_head": "markov head",
     "confidence_head": "confidence head",
 }

@@ -6,7 +6,8 @@ is also the number of context rows before it. Its queries attend to
 
   (a) context keys/values `[B, S, K, H]` (the target's own post-RoPE KV cache for H-Spec, read in place;
       the drafter's injected cache for DFlash): row j is visible iff doc_start <= j < a and, with a sliding
-      window W, j >= a - W (the window is anchored at the block, so every slot sees the same context rows).
+      window W, j >= a - W (the window is anchored at the block, so every slot sees the same context rows);
+      with `per_query_window` the window is each query's own, as vLLM serves it: slot t sees j >= a + t - W + 1.
       `doc_starts [B, A]` is the first row of the anchor's document: 0 at inference; in training, where
       documents are packed into one row, it keeps a block from seeing an earlier document; and
   (b) the block's own keys/values `[.., T, K, H]`: causal (slot u visible to slot t iff u <= t) or, for
@@ -82,8 +83,26 @@ def context_mask(anchors: jax.Array, num_rows: int, window: int | None, doc_star
     return (rows >= lo[..., None]) & (rows < hi[..., None])
 
 
+def query_context_mask(anchors, num_rows: int, window: int, block_size: int, doc_starts=None):
+    """`[B, A, T, S]`, the per-query window: row j is visible to slot t iff doc_start <= j < a and
+    j >= a + t - window + 1 (the query at position a + t sees the `window` positions ending at itself)."""
+    base = context_mask(anchors, num_rows, None, doc_starts)[:, :, None, :]
+    first = anchors[..., None] + jnp.arange(block_size) - window + 1  # [B, A, T]
+    return base & (jnp.arange(num_rows) >= first[..., None])
+
+
 def reference(
-    q, k_blk, v_blk, k_ctx, v_ctx, anchors, doc_starts=None, *, window: int | None = None, causal: bool = True
+    q,
+    k_blk,
+    v_blk,
+    k_ctx,
+    v_ctx,
+    anchors,
+    doc_starts=None,
+    *,
+    window: int | None = None,
+    causal: bool = True,
+    per_query_window: bool = False,
 ):
     """Masked dense attention. q `[B, A, T, N, H]`; k_blk, v_blk `[B, A, T, K, H]`; k_ctx, v_ctx `[B, S, K, H]`
     or None (no context); anchors, doc_starts (None = 0) `[B, A]` int -> `[B, A, T, N, H]` in q.dtype."""
@@ -99,8 +118,11 @@ def reference(
         out = jnp.einsum("bakgtu,baukh->batkgh", probs.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
         return out.reshape(b, a, t, n, h).astype(q.dtype)
     ctx = jnp.einsum("batkgh,bskh->bakgts", qg, k_ctx, preferred_element_type=jnp.float32) * scale
-    visible = context_mask(anchors, k_ctx.shape[1], window, doc_starts)  # [B, A, S]
-    ctx = jnp.where(visible[:, :, None, None, None, :], ctx, MASK_VALUE)
+    if per_query_window and window is not None:
+        visible = query_context_mask(anchors, k_ctx.shape[1], window, t, doc_starts)[:, :, None, None]
+    else:
+        visible = context_mask(anchors, k_ctx.shape[1], window, doc_starts)[:, :, None, None, None, :]
+    ctx = jnp.where(visible, ctx, MASK_VALUE)
     probs = jax.nn.softmax(jnp.concatenate([ctx, blk], axis=-1), axis=-1)
     p_ctx, p_blk = probs[..., : k_ctx.shape[1]], probs[..., k_ctx.shape[1] :]
     out = jnp.einsum("bakgts,bskh->batkgh", p_ctx.astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
@@ -173,6 +195,25 @@ def _block_part(q_rows, k_blk, v_blk, group: int, causal: bool):
     lse = jax.nn.logsumexp(s, axis=-1)
     p = jnp.exp(s - lse[..., None]).astype(v_blk.dtype)
     return jnp.einsum("bakrt,batkh->bakrh", p, v_blk, preferred_element_type=jnp.float32), lse
+
+
+def _window_edge_part(q_rows, k_ctx, v_ctx, anchors, doc_starts, window: int, t: int, group: int):
+    """The per-query window's edge: the T-1 context rows a - W + 1 + u (u < T - 1) that only slots t <= u see.
+    q_rows `[B, A, K, R, H]`; k_ctx, v_ctx `[B, S, K, H]`; anchors, doc_starts `[B, A]` -> (output `[B, A, K, R, H]`
+    fp32, log-sum-exp `[B, A, K, R]`); a query row seeing none of them gets a log-sum-exp near MASK_VALUE."""
+    r, h = q_rows.shape[-2:]
+    u = jnp.arange(t - 1)
+    rows = anchors[..., None] - window + 1 + u  # [B, A, T-1]
+    valid = (rows >= jnp.maximum(doc_starts, 0)[..., None]) & (rows < anchors[..., None])
+    batch = jnp.arange(k_ctx.shape[0])[:, None, None]
+    safe = jnp.clip(rows, 0, k_ctx.shape[1] - 1)
+    k_edge, v_edge = k_ctx[batch, safe], v_ctx[batch, safe]  # [B, A, T-1, K, H]
+    s = jnp.einsum("bakrh,baukh->bakru", q_rows, k_edge, preferred_element_type=jnp.float32) * h**-0.5
+    seen = valid[:, :, None, None, :] & (u[None, :] >= jnp.arange(r)[:, None] // group)
+    s = jnp.where(seen, s, MASK_VALUE)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.exp(s - lse[..., None]).astype(v_edge.dtype)
+    return jnp.einsum("bakru,baukh->bakrh", p, v_edge, preferred_element_type=jnp.float32), lse
 
 
 def _combine(outs, lses):
@@ -436,9 +477,12 @@ class KernelSettings:
     splits: int | None = None
 
 
-def _kernel_forward(q, k_blk, v_blk, k_ctx, v_ctx, anchors, doc_starts, *, window, causal, settings: KernelSettings):
+def _kernel_forward(
+    q, k_blk, v_blk, k_ctx, v_ctx, anchors, doc_starts, *, window, causal, per_query_window, settings: KernelSettings
+):
     """The kernel path's forward (shapes as `reference`): block part in jnp, context partials from the kernel
-    variant, merged by `_combine`."""
+    variant, merged by `_combine`. A per-query window W is the kernel over the rows every slot sees (rows
+    >= a - (W - T), a block-anchored window of W - T) plus `_window_edge_part` for the T - 1 rows below them."""
     t, n = q.shape[2:4]
     kv_heads = k_blk.shape[3]
     g = n // kv_heads
@@ -446,7 +490,12 @@ def _kernel_forward(q, k_blk, v_blk, k_ctx, v_ctx, anchors, doc_starts, *, windo
     q_rows = _to_query_rows(q, kv_heads, rows)
     out, lse = _block_part(q_rows, k_blk, v_blk, g, causal)
     if k_ctx is not None:
-        lo, hi = visible_range(anchors, k_ctx.shape[1], window, doc_starts)
+        per_query = per_query_window and window is not None
+        lo, hi = visible_range(anchors, k_ctx.shape[1], window - t if per_query else window, doc_starts)
+        if per_query and t > 1:
+            edge_out, edge_lse = _window_edge_part(q_rows, k_ctx, v_ctx, anchors, doc_starts, window, t, g)
+            parts = (jnp.stack([out, edge_out], axis=2), jnp.stack([lse, edge_lse], axis=2))
+            out, lse = _combine(*parts), jnp.logaddexp(lse, edge_lse)
         if settings.variant == "gpu":
             attend, interpret = gpu_context_attention, settings.interpret
         else:
@@ -461,12 +510,23 @@ def _kernel_forward(q, k_blk, v_blk, k_ctx, v_ctx, anchors, doc_starts, *, windo
 
 
 def pallas_attention(
-    q, k_blk, v_blk, k_ctx, v_ctx, anchors, doc_starts=None, *, window=None, causal=True, settings=KernelSettings()
+    q,
+    k_blk,
+    v_blk,
+    k_ctx,
+    v_ctx,
+    anchors,
+    doc_starts=None,
+    *,
+    window=None,
+    causal=True,
+    per_query_window=False,
+    settings=KernelSettings(),
 ):
     """The kernel path, same contract as `reference`; differentiable (the backward is the reference's)."""
     if doc_starts is None:
         doc_starts = jnp.zeros_like(anchors)
-    static = dict(window=window, causal=causal)
+    static = dict(window=window, causal=causal, per_query_window=per_query_window)
 
     @jax.custom_vjp
     def attend(q, k_blk, v_blk, k_ctx, v_ctx, anchors, doc_starts):
@@ -506,6 +566,7 @@ def target_kv_attention(
     *,
     window: int | None = None,
     causal: bool = True,
+    per_query_window: bool = False,
     impl: str = "auto",
 ):
     """Entry point: see the module docstring for the contract and which `impl` runs where."""
@@ -515,12 +576,33 @@ def target_kv_attention(
     if impl == "auto":
         impl = auto_impl(platform)
     if impl == "reference":
-        return reference(q, k_blk, v_blk, k_ctx, v_ctx, anchors, doc_starts, window=window, causal=causal)
+        return reference(
+            q,
+            k_blk,
+            v_blk,
+            k_ctx,
+            v_ctx,
+            anchors,
+            doc_starts,
+            window=window,
+            causal=causal,
+            per_query_window=per_query_window,
+        )
     native = "tpu" if platform == "tpu" else "gpu"
     variant = native if impl == "pallas" else impl.removeprefix("pallas_")
     if platform != "cpu" and variant != native:
         raise ValueError(f"attention impl {impl!r} cannot run on {platform}: use 'pallas' or 'reference'")
     settings = KernelSettings(variant=variant, interpret=platform == "cpu")
     return pallas_attention(
-        q, k_blk, v_blk, k_ctx, v_ctx, anchors, doc_starts, window=window, causal=causal, settings=settings
+        q,
+        k_blk,
+        v_blk,
+        k_ctx,
+        v_ctx,
+        anchors,
+        doc_starts,
+        window=window,
+        causal=causal,
+        per_query_window=per_query_window,
+        settings=settings,
     )
