@@ -121,6 +121,18 @@ class Method(NamedTuple):
     lookahead: int  # cache rows a step needs beyond the committed ones (k + 1; 0 for plain decoding)
 
 
+def load_methods(target: Target, target_spec: str, drafters: list[str], prompt_ids: list[list[int]]) -> list[Method]:
+    """Plain decoding, then one method per drafter spec (a checkpoint directory or random:<kind>; a random drafter's
+    vocabulary comes from `prompt_ids`)."""
+    methods = [Method(PLAIN, None, 0)]
+    for spec in drafters:
+        request = argparse.Namespace(drafter=spec, recipe=target.recipe, target=target_spec, k=None)
+        config = drafter_config(request, target.config)
+        drafter = (config, *load_drafter(spec, config, target.params, prompt_ids))
+        methods.append(Method(spec, drafter, config.num_drafts + 1))
+    return methods
+
+
 def units_of(prompts: list[Prompt], batch_size: int) -> list[list[Prompt]]:
     """Prompts timed together: consecutive prompts of one task, `batch_size` at a time."""
     units = []
@@ -296,12 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = load_prompts(parse_tasks(args.tasks), args.num_prompts)
         target = load_eval_target(args.target, args.recipe, args.seed)
         first_turns = [target.encoder.encode(p, []) for p in prompts]
-        methods = [Method(PLAIN, None, 0)]
-        for spec in args.drafter:
-            request = argparse.Namespace(drafter=spec, recipe=target.recipe, target=args.target, k=None)
-            config = drafter_config(request, target.config)
-            drafter = (config, *load_drafter(spec, config, target.params, first_turns))
-            methods.append(Method(spec, drafter, config.num_drafts + 1))
+        methods = load_methods(target, args.target, args.drafter, first_turns)
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

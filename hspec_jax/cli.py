@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from collections.abc import Callable
 
@@ -75,6 +76,28 @@ def float_dtype(text: str) -> str:
     if text not in FLOAT_DTYPES:
         raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; choose from {', '.join(FLOAT_DTYPES)}")
     return text
+
+
+BYTE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
+
+
+def byte_size(text: str) -> int:
+    """A positive number of bytes: `123456`, `1.5e9`, `512MiB`, `2GB` (k/m/g: powers of 1000; Ki/Mi/Gi: of 1024)."""
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMgG]i?)?[bB]?\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected bytes such as 123456, 512MiB or 2GB, got {text!r}")
+    value = int(_number(float, match.group(1)) * BYTE_UNITS[(match.group(2) or "").lower()])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """A comma-separated list of positive integers, e.g. `1,2,4,8`."""
+    values = [positive_int(part) for part in text.split(",")]
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"values repeat in {text!r}")
+    return values
 
 
 def os_error_line(e: OSError) -> str:

@@ -13,6 +13,8 @@ import time
 import numpy as np
 import pytest
 
+from train.loop import lock_workdir
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ["Ada", "Bo", "Cy", "Di", "Ed", "Flo", "Gus", "Hal"]
 
@@ -167,3 +169,13 @@ def test_unknown_override_is_a_one_line_error(tmp_path):
         ]
     )
     assert proc.returncode != 0 and "mamba_heads" in proc.stderr
+
+
+def test_a_second_job_on_the_same_workdir_is_refused(tmp_path):
+    held = lock_workdir(str(tmp_path))
+    with pytest.raises(
+        ValueError, match=rf"work directory {tmp_path} is in use by another training job \(pid {os.getpid()}\)"
+    ):
+        lock_workdir(str(tmp_path))
+    held.close()  # the job ended: the directory is free again
+    lock_workdir(str(tmp_path)).close()

@@ -7,6 +7,7 @@ layout); the pieces below are small so a researcher can reuse them in their own 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -289,11 +290,32 @@ def checkpoint_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(os.path.join(workdir, "checkpoints"), options=options, item_handlers=handlers)
 
 
+def lock_workdir(workdir: str):
+    """Hold `workdir/train.lock` for the life of the job (process 0 only: one job, many processes); a second
+    job on the same work directory is an error naming the one that holds it (two jobs would interleave their
+    checkpoints and metrics). The lock is the kernel's: it goes with the process, even after a kill -9."""
+    os.makedirs(workdir, exist_ok=True)
+    handle = open(os.path.join(workdir, "train.lock"), "a+")  # noqa: SIM115 (held open until the process exits)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise ValueError(f"work directory {workdir} is in use by another training job (pid {holder})") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """The whole job; returns the last logged metrics (and the last real tau when measured)."""
     from tqdm import tqdm
 
     workdir = os.path.abspath(workdir)
+    lock = lock_workdir(workdir) if jax.process_index() == 0 else None  # noqa: F841 (held while training)
     run = setup(config, workdir)
     tc = config.train
     abstract_params = jax.eval_shape(lambda: init_drafter(run.drafter, jax.random.key(0)))

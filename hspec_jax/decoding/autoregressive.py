@@ -101,8 +101,10 @@ def _decode_steps(
         out = forward(params, config, s.current[:, None], cache)
         cache = commit(out.cache, jnp.where(s.done, 0, 1))
         nxt = sample(jax.random.fold_in(s.rng, s.step), out.logits[:, 0], sampling)
+        # Each sequence writes at its own count (sequences of a served batch start at different steps).
+        write_at = jnp.where(s.done, s.tokens.shape[1], s.num)  # past the end: dropped
+        tokens = s.tokens.at[jnp.arange(s.num.shape[0]), write_at].set(nxt, mode="drop")
         nxt = jnp.where(s.done, pad_id, nxt)
-        tokens = s.tokens.at[:, s.step].set(nxt)
         num = s.num + jnp.where(s.done, 0, 1)
         done = s.done | is_eos(nxt, eos_ids) | (num >= max_new_tokens) | (cache.lengths >= cache.capacity)
         return DecodeState(s.step + 1, tokens, nxt, num, done, s.rng), cache

@@ -149,9 +149,12 @@ def spec_prefill(
     pad_id: int = 0,
 ) -> tuple[SpecState, KVCache, tuple]:
     """Prefill the target on right-padded `prompts [B, T]`, sample the first token, draft the first block.
-    Returns the loop state, the target cache and the drafter-side cache (empty unless DFlash/DSpark)."""
+    Returns the loop state, the target cache and the drafter-side cache (empty unless DFlash/DSpark). The prompts
+    go at each sequence's committed length, so a long prompt can be fed in pieces (earlier pieces committed by
+    earlier calls, whose states are discarded)."""
     k = drafter.num_drafts
     batch, width = prompts.shape
+    start = cache.lengths
     first_rng, draft_rng, loop_rng = jax.random.split(rng, 3)
     last = (lengths - 1)[:, None]  # logits only at each sequence's last prompt position: [B, 1, V], not [B, T, V]
     out = forward(target_params, target, prompts, cache, drafter.fusion_layer_ids, logit_indices=last)
@@ -161,8 +164,7 @@ def spec_prefill(
     seed = jnp.take_along_axis(taps, (lengths - 1)[:, None, None], axis=1)[:, 0]
     new_context = None
     if drafter.owns_kv_cache:
-        rows = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-        new_context = (taps, rows, rows[:, 0])
+        new_context = (taps, start[:, None] + jnp.arange(width, dtype=jnp.int32), start)
     draft, probs, context = _draft_next(
         target_params, drafter_params, drafter, vocab, sampling, cache, token, seed, context, new_context, draft_rng
     )

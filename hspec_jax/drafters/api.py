@@ -57,7 +57,7 @@ def init_drafter(config: DrafterConfig, rng: jax.Array) -> dict:
     """Randomly initialised drafter parameters (the frozen pieces get real values from `init_from_target`)."""
     inputs = _example_inputs(config)
     embeds = inputs.embedding[inputs.block_tokens]
-    params = drafter_module(config).init(rng, embeds, inputs, _mapped_kv(config, inputs))["params"]
+    params = drafter_module(config).init(rng, embeds, inputs)["params"]
     if config.mask_embedding:
         params["mask_embedding"] = jnp.zeros((config.target.hidden_size,), config.storage_dtype)
     return params
@@ -81,11 +81,6 @@ def mirrored_target_layers(config: DrafterConfig) -> dict[str, int]:
     if config.kv_source == "target":
         return {f"layers_{i}": layer for i, layer in enumerate(config.target_kv_layer_ids)}
     return {}
-
-
-def target_kv(config: DrafterConfig, cache: KVCache) -> tuple[tuple[jax.Array, jax.Array], ...]:
-    """The (k, v) buffers, straight from the target's cache, of the layers the drafter's attention reads."""
-    return tuple(cache.layer(i) for i in mirrored_target_layers(config).values())
 
 
 COPIED_FROM_TARGET = ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm")
@@ -116,13 +111,6 @@ def init_from_target(params: dict, config: DrafterConfig, target_params: dict, v
     return out
 
 
-def _mapped_kv(config: DrafterConfig, inputs: DraftInputs):
-    """The mapped target layers' (k, v), for the families that read the target cache (None otherwise)."""
-    if not mirrored_target_layers(config) or inputs.target_cache is None:
-        return None
-    return target_kv(config, inputs.target_cache)
-
-
 def draft_blocks(params: dict, config: DrafterConfig, inputs: DraftInputs) -> DraftOutput:
     """The one drafter entry point, for training and inference alike: A blocks per sequence `[B, A, T]`.
 
@@ -130,7 +118,7 @@ def draft_blocks(params: dict, config: DrafterConfig, inputs: DraftInputs) -> Dr
     and the target cache; DFlash/DSpark their `context_kv` (after injecting `new_context`); "DFlash + target
     KV" the target cache. Returns a `DraftOutput` `[B, A, T, ...]` (logits over the draft vocabulary, fp32)."""
     embeds = block_embeddings(params, config, inputs.embedding, inputs.block_tokens)
-    return drafter_module(config).apply({"params": params}, embeds, inputs, _mapped_kv(config, inputs))
+    return drafter_module(config).apply({"params": params}, embeds, inputs)
 
 
 def draft_block(

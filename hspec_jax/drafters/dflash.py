@@ -3,7 +3,8 @@ target-KV reuse".
 
 DFlash fuses the target's tapped hidden states of *every* context position, latent = hidden_norm(fc(concat)),
 and each of its layers projects that latent with its own k_proj / v_proj (k-norm, RoPE at the context
-position) into a drafter-side KV cache: a real buffer that grows with the context, `[B, S, K, H]` per layer.
+position) into a drafter-side KV cache: a real buffer that grows with the context, `[B, S, K, H]` per layer
+(`KVBuffers`, or the paged pool of `hspec_jax.serving`: layers are read and written through its accessors).
 The block [anchor, MASK x k] then attends to that cache (rows < anchor) and bidirectionally to itself.
 
 With `inputs.new_context = (taps, positions, first_row)` the call first writes the K/V rows of newly committed context
@@ -22,7 +23,7 @@ from hspec_jax.drafters.heads import ConfidenceHead, MarkovHead
 from hspec_jax.drafters.inputs import DraftInputs
 from hspec_jax.drafters.layers import DraftAttention
 from hspec_jax.drafters.output import DraftOutput, apply_heads, draft_logits
-from hspec_jax.models.kv_cache import write_rows
+from hspec_jax.models.kv_cache import KVBuffers
 from hspec_jax.models.layers import MLP, RMSNorm, dense
 
 
@@ -30,24 +31,24 @@ class DFlashLayer(nn.Module):
     """A Qwen3-style decoder layer whose attention reads a context cache; optionally injects into it first."""
 
     config: DFlashConfig
-    index: int = 0  # which drafter layer (its attention layout)
+    layer_index: int = 0  # which drafter layer (its attention layout)
 
     @nn.compact
-    def __call__(self, h, anchors, doc_starts, context, new_rows=None):
-        """h `[B, A, T, D]`; anchors, doc_starts `[B, A]`; context (k, v) `[B, S, K, H]`; new_rows (latent
-        `[B, C, D]`, positions `[B, C]`, first row `[B]`) to project and write into the context first
-        -> (h, context)."""
+    def __call__(self, h, anchors, doc_starts, context, index, new_rows=None):
+        """h `[B, A, T, D]`; anchors, doc_starts `[B, A]`; `context` a cache whose layer `index` (k, v) this layer
+        attends to (read through its accessors: the drafter's own cache, or the target's with kv_source="target");
+        new_rows (latent `[B, C, D]`, positions `[B, C]`, first row `[B]`) to project and write into that layer
+        first -> (h, context)."""
         cfg = self.config
         target = cfg.target
         dtype, pdtype, eps = cfg.compute_dtype, cfg.storage_dtype, target.rms_norm_eps
         attention = target.replace(dtype=dtype, param_dtype=pdtype, qk_norm=cfg.attention_qk_norm)
-        window, causal = cfg.attention_layout(self.index, default_causal=cfg.block_causal)
+        window, causal = cfg.attention_layout(self.layer_index, default_causal=cfg.block_causal)
         attn = DraftAttention(attention, window, causal, cfg.window_mode, cfg.attention_impl, name="self_attn")
         if new_rows is not None:
             latent, positions, starts = new_rows
-            k_new, v_new = attn.key_value(latent, positions)
-            context = (write_rows(context[0], k_new, starts), write_rows(context[1], v_new, starts))
-        h = h + attn(RMSNorm(eps, pdtype, name="input_layernorm")(h), anchors, doc_starts, context)
+            context = context.write(index, *attn.key_value(latent, positions), starts)
+        h = h + attn(RMSNorm(eps, pdtype, name="input_layernorm")(h), anchors, doc_starts, context.layer(index))
         mlp = MLP(target.hidden_size, cfg.mlp_size, False, dtype, pdtype, name="mlp")
         return h + mlp(RMSNorm(eps, pdtype, name="post_attention_layernorm")(h)), context
 
@@ -56,17 +57,18 @@ class DFlash(nn.Module):
     config: DFlashConfig
 
     @nn.compact
-    def __call__(self, embeds, inputs: DraftInputs, target_kv=None) -> DraftOutput:
-        """embeds `[B, A, T, D]`; `inputs` (see `DraftInputs`): anchors, doc_starts, prev_tokens, context_kv (per
-        layer (k, v) `[B, S, K, H]`, the drafter cache) and new_context (taps `[B, C, F*D]`, positions `[B, C]`,
-        first row `[B]`: context rows to inject first); with kv_source="target", `target_kv` (the mapped target
-        layers) replaces the drafter cache."""
+    def __call__(self, embeds, inputs: DraftInputs) -> DraftOutput:
+        """embeds `[B, A, T, D]`; `inputs` (see `DraftInputs`): anchors, doc_starts, prev_tokens, context_kv (the
+        drafter cache, `KVBuffers` or a paged equivalent: layer i read and written through its accessors) and
+        new_context (taps `[B, C, F*D]`, positions `[B, C]`, first row `[B]`: context rows to inject first); with
+        kv_source="target", layer i reads the target cache's layer `target_kv_layer_ids[i]` in place instead."""
         cfg = self.config
         target = cfg.target
         dtype, pdtype = cfg.compute_dtype, cfg.storage_dtype
         reads_target = cfg.kv_source == "target"
         new_context = None if reads_target else inputs.new_context  # nothing to inject into the target's cache
-        context_kv = target_kv if reads_target else inputs.context_kv
+        context = inputs.target_cache if reads_target else inputs.context_kv
+        layer_ids = cfg.target_kv_layer_ids if reads_target else range(cfg.num_layers)
         new_rows = None
         if new_context is not None:
             taps, positions, first_row = new_context
@@ -74,25 +76,24 @@ class DFlash(nn.Module):
             latent = RMSNorm(target.rms_norm_eps, pdtype, name="hidden_norm")(fc(taps.astype(dtype)))
             new_rows = (latent, positions, first_row)
         h = embeds.astype(dtype)
-        updated = []
-        for i in range(cfg.num_layers):
+        for i, index in enumerate(layer_ids):
             layer = DFlashLayer(cfg, i, name=f"layers_{i}")
-            h, context = layer(h, inputs.anchors, inputs.doc_starts, context_kv[i], new_rows)
-            updated.append(context)
+            h, context = layer(h, inputs.anchors, inputs.doc_starts, context, index, new_rows)
         hidden, logits = draft_logits(self, cfg, h)
         markov = MarkovHead(target.vocab_size, cfg.vocab_size, cfg.markov_rank, pdtype, name="markov_head")
         confidence = ConfidenceHead(pdtype, name="confidence_head")
         out = apply_heads(cfg, markov, confidence, hidden, logits, inputs.prev_tokens)
-        return out._replace(context_kv=tuple(updated) if new_context is not None else None)
+        return out._replace(context_kv=context if new_context is not None else None)
 
 
-def empty_context(config: DFlashConfig, batch: int, capacity: int, dtype=None) -> tuple:
-    """A zeroed drafter-side cache: per layer (k, v) `[B, capacity, K, H]`."""
+def empty_context(config: DFlashConfig, batch: int, capacity: int, dtype=None) -> KVBuffers:
+    """A zeroed drafter-side cache: per layer k, v `[B, capacity, K, H]`."""
     shape = (batch, capacity, config.target.num_kv_heads, config.target.head_dim)
     dtype = dtype or config.compute_dtype
-    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers))
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    return KVBuffers(k=zeros(), v=zeros())
 
 
-def drafter_context(config, batch: int, capacity: int) -> tuple:
+def drafter_context(config, batch: int, capacity: int) -> KVBuffers | tuple:
     """The drafter-side cache a drafter needs: `empty_context` for DFlash/DSpark, () for drafters without one."""
     return empty_context(config, batch, capacity) if config.owns_kv_cache else ()

@@ -34,10 +34,10 @@ class HSpec(nn.Module):
     config: HSpecConfig
 
     @nn.compact
-    def __call__(self, embeds, inputs: DraftInputs, target_kv=None) -> DraftOutput:
+    def __call__(self, embeds, inputs: DraftInputs) -> DraftOutput:
         """embeds `[B, A, T, D]` (target embeddings of the block tokens); `inputs` (see `DraftInputs`): anchors,
-        doc_starts, seed_hidden `[B, A, F*D]` (concatenated taps at anchor - 1), prev_tokens; target_kv: per
-        attention sub-layer, the mapped target layer's (k, v) `[B, S, K, H]`."""
+        doc_starts, seed_hidden `[B, A, F*D]` (concatenated taps at anchor - 1), prev_tokens, and target_cache,
+        whose mapped layer (`attn_kv_layer_ids`) each attention sub-layer reads in place (`cache.layer(i)`)."""
         cfg = self.config
         target = cfg.target
         dtype, pdtype, eps = cfg.compute_dtype, cfg.storage_dtype, target.rms_norm_eps
@@ -60,7 +60,7 @@ class HSpec(nn.Module):
                 h = MambaSubLayer(target.hidden_size, cfg.mamba, eps, dtype, pdtype, name=f"layers_{i}")(h, state0)
                 mamba_index += 1
             elif kind == "attn":
-                context = target_kv[attn_index] if cfg.use_target_kv else None
+                context = inputs.target_cache.layer(cfg.attn_kv_layer_ids[attn_index]) if cfg.use_target_kv else None
                 window, causal = cfg.attention_layout(attn_index, default_causal=True)
                 sub = AttentionSubLayer(
                     attention, eps, window, causal, cfg.window_mode, cfg.attention_impl, name=f"layers_{i}"

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from hspec_jax.models.blocked_attention import blocked_attention
 from hspec_jax.models.config import TargetConfig
-from hspec_jax.models.kv_cache import KVCache, init_cache, write_rows
+from hspec_jax.models.kv_cache import KVCache, init_cache
 from hspec_jax.models.layers import INIT_STD, MLP, RMSNorm, dense, dot_product_attention, rms_norm
 from hspec_jax.models.rope import apply_rope, inverse_frequencies
 
@@ -124,12 +124,12 @@ class SelfAttention(AttentionProjections):
 
     window: int | None = None
 
-    def __call__(self, x, positions, k_buf, v_buf, starts, doc_starts=None):
-        """x `[B, T, D]`, positions `[B, T]` (RoPE), caches `[B, S, K, H]`, starts `[B]` (first row written),
-        doc_starts `[B, T]` or None -> (out `[B, T, D]`, k_buf, v_buf)."""
+    def __call__(self, x, positions, cache, index, starts, doc_starts=None):
+        """x `[B, T, D]`, positions `[B, T]` (RoPE), `cache` (written and read as layer `index` through its
+        accessors), starts `[B]` (first row written), doc_starts `[B, T]` or None -> (out `[B, T, D]`, cache)."""
         q, k, v = self.query_key_value(x, positions)
-        k_buf = write_rows(k_buf, k, starts)
-        v_buf = write_rows(v_buf, v, starts)
+        cache = cache.write(index, k, v, starts)
+        k_buf, v_buf = cache.layer(index)
         rows = starts[:, None] + jnp.arange(x.shape[1])[None, :]
         if x.shape[1] > LONG_INPUT:  # a prompt or a packed training row: never materialise [T, S] scores
             first = doc_starts
@@ -139,7 +139,7 @@ class SelfAttention(AttentionProjections):
             out = blocked_attention(q, k_buf, v_buf, rows, first)
         else:
             out = dot_product_attention(q, k_buf, v_buf, causal_mask(rows, k_buf.shape[1], self.window, doc_starts))
-        return self.output(out), k_buf, v_buf
+        return self.output(out), cache
 
 
 class DecoderLayer(nn.Module):
@@ -147,16 +147,16 @@ class DecoderLayer(nn.Module):
     window: int | None = None
 
     @nn.compact
-    def __call__(self, x, positions, k_buf, v_buf, starts, doc_starts=None):
+    def __call__(self, x, positions, cache, index, starts, doc_starts=None):
         cfg = self.config
         norm = dict(eps=cfg.rms_norm_eps, param_dtype=cfg.param_dtype)
-        attn, k_buf, v_buf = SelfAttention(cfg, self.window, name="self_attn")(
-            RMSNorm(**norm, name="input_layernorm")(x), positions, k_buf, v_buf, starts, doc_starts
+        attn, cache = SelfAttention(cfg, self.window, name="self_attn")(
+            RMSNorm(**norm, name="input_layernorm")(x), positions, cache, index, starts, doc_starts
         )
         x = x + attn
         mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.dtype, cfg.param_dtype, name="mlp")
         x = x + mlp(RMSNorm(**norm, name="post_attention_layernorm")(x))
-        return x, k_buf, v_buf
+        return x, cache
 
 
 class Decoder(nn.Module):
@@ -194,10 +194,9 @@ class Decoder(nn.Module):
         positions = rows if positions is None else positions
         x = embed(tokens)
         streams = [x]
-        ks, vs = list(cache.k), list(cache.v)
         for i in range(cfg.num_layers):
             layer = DecoderLayer(cfg, cfg.layer_window(i), name=f"layers_{i}")
-            x, ks[i], vs[i] = layer(x, positions, ks[i], vs[i], starts, doc_starts)
+            x, cache = layer(x, positions, cache, i, starts, doc_starts)
             streams.append(x)
         hidden = tuple(streams[i] for i in taps)
         if logit_indices is not None:
@@ -213,7 +212,7 @@ class Decoder(nn.Module):
                 cfg.param_dtype,
             )
         logits = jnp.einsum("btd,vd->btv", x, head.astype(cfg.dtype), preferred_element_type=jnp.float32)
-        return DecoderOutput(logits, hidden, cache.replace(k=tuple(ks), v=tuple(vs)))
+        return DecoderOutput(logits, hidden, cache)
 
 
 def forward(

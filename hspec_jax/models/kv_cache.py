@@ -1,6 +1,9 @@
 """The target's KV cache: per layer, post-RoPE keys and values `[B, S, K, H]`, plus committed lengths `[B]`.
 
-Layout and contract (the drafters read this structure directly):
+Layout and contract. Readers and writers go through two accessors, so another cache layout (the paged pool of
+`hspec_jax.serving`) is transparent to them: `cache.layer(i)` gives layer i's keys and values as the dense
+`[B, S, K, H]` view, and `cache.write(i, k, v, starts)` writes new rows. `KVBuffers` is the same without
+lengths: a drafter's own cache (DFlash/DSpark), whose rows are committed in step with the target's.
 
 * `cache.k[i]`, `cache.v[i]` are decoder layer i's keys and values, `[B, S_max, K, H]`. Keys are stored
   *after* the k-norm (Qwen3) and after RoPE at their absolute positions, so a reader never re-rotates.
@@ -23,10 +26,9 @@ from hspec_jax.models.config import TargetConfig
 
 
 @flax.struct.dataclass
-class KVCache:
+class KVBuffers:
     k: tuple[jax.Array, ...]  # per layer [B, S, K, H], post-norm, post-RoPE
     v: tuple[jax.Array, ...]  # per layer [B, S, K, H]
-    lengths: jax.Array  # [B] int32, committed rows per sequence
 
     @property
     def capacity(self) -> int:
@@ -40,6 +42,16 @@ class KVCache:
     def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
         """(keys, values) of decoder layer i, each `[B, S, K, H]`."""
         return self.k[i], self.v[i]
+
+    def write(self, i: int, k: jax.Array, v: jax.Array, starts: jax.Array):
+        """Write layer i's new rows k, v `[B, T, K, H]` at rows `starts[b] + t` (rows past S dropped)."""
+        k_new, v_new = write_rows(self.k[i], k, starts), write_rows(self.v[i], v, starts)
+        return self.replace(k=(*self.k[:i], k_new, *self.k[i + 1 :]), v=(*self.v[:i], v_new, *self.v[i + 1 :]))
+
+
+@flax.struct.dataclass
+class KVCache(KVBuffers):
+    lengths: jax.Array  # [B] int32, committed rows per sequence
 
 
 def init_cache(config: TargetConfig, batch_size: int, capacity: int, dtype=None) -> KVCache:

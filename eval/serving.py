@@ -1,0 +1,425 @@
+"""Serving throughput against concurrency: continuous batching over the paged KV pool, per method, under load.
+
+    python -m eval.serving --target smollm2 --drafter runs/smollm2-hspec/drafter --concurrency 1,2,4,8,16,32 \\
+        --requests 64 --out benchmarks/results/serving_smollm2
+    python -m eval.serving --target random:tiny --drafter random:hspec --drafter random:dflash --concurrency 1,4 \\
+        --requests 8 --max-new-tokens 16 --memory-budget 400KiB --out /tmp/serving-tiny
+
+For each method (plain decoding, then each `--drafter`) and each concurrency c, an engine with c slots
+(`hspec_jax.serving`) answers `--requests` requests: the first turns of the evaluation prompts (`--tasks`, spread
+over the tasks, repeated if there are fewer), sent by a load generator:
+
+* closed (default): c clients, each sending its next request as soon as its previous one is answered;
+* poisson: requests arrive at `--rate` per second (exponential gaps, seeded), whatever the load.
+
+The engine's programs are compiled by one warm-up request before the clock starts. `--target` takes what
+`eval.main` takes (smollm2, an HF directory, a .gguf, an Orbax directory, or random:<recipe>: random weights, for
+a quick run whose numbers say nothing about real drafters).
+
+The KV pool: with `--memory-budget BYTES` it holds as many pages as the budget pays for, counting for each page the
+target's K/V rows and, for DFlash/DSpark, the drafter's own (same rows, same page table): the same bytes for every
+method and every concurrency, so a drafter with its own cache gets fewer pages. Without a budget every slot gets
+room for its longest request, and nothing is ever preempted.
+
+Reported per method x concurrency (`report.md`, `results.jsonl`, PNG plots):
+  throughput       generated tokens / seconds from the first request sent to the last answer
+  TTFT             time to first token (sent -> first token available), p50 / p99
+  ITL              inter-token latency, p50 / p99: tokens that become available together (a scheduling iteration:
+                   `--steps-per-iteration` decoding steps, or an accepted draft block) share the time since the
+                   previous ones
+  tau              (accepted drafts + steps) / steps over all answers
+  KV occupancy     pages in use / pages in the pool, mean and peak over scheduling iterations, target and drafter
+                   separately (a DFlash/DSpark page holds both models' rows: equal fractions, different bytes)
+  preempted        requests sent back to the queue when the pool ran out (they restart from their prompt)
+  refused          requests that can never fit (a prompt over the limit, or more pages than the whole pool)
+Under a memory budget also, per method: the largest concurrency sustained (every request answered, none preempted)
+and the throughput there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import sys
+import time
+
+import numpy as np
+
+from eval.machine import machine_facts
+from eval.main import DEFAULT_COMPILE_CACHE, Method, Target, load_eval_target, load_methods
+from eval.prompts import load_prompts, parse_tasks
+from eval.report import PLAIN, fmt
+from hspec_jax.cli import (
+    ArgumentParser,
+    byte_size,
+    int_list,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    run,
+)
+from hspec_jax.decoding import SamplingConfig
+from hspec_jax.errors import InputError
+from hspec_jax.serving import Completion, Model, Request, ServingConfig, ServingEngine, page_bytes, pages_for
+
+ARRIVALS = ("closed", "poisson")
+PLOTS = {
+    "serving_throughput.png": "throughput vs concurrency",
+    "serving_latency.png": "TTFT and ITL (p50) vs concurrency",
+    "serving_kv.png": "peak KV memory in use vs concurrency",
+}
+MIB = 1024**2
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = ArgumentParser(prog="python -m eval.serving", description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default="smollm2", help="smollm2, HF dir, .gguf, Orbax dir, random:<recipe>")
+    parser.add_argument("--drafter", action="append", default=[], help="checkpoint dir or random:<kind>; repeatable")
+    parser.add_argument("--recipe", default=None, help="recipe for random:<kind> drafters (default: the target's)")
+    parser.add_argument("--tasks", default="all", help="all, or a comma-separated list such as math,code")
+    parser.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8], help="slots per engine, e.g. 1,2,4,8")
+    parser.add_argument("--requests", type=positive_int, default=32, help="requests per method and concurrency")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens per answer (at most)")
+    parser.add_argument("--arrival", choices=ARRIVALS, default="closed", help="closed-loop clients or Poisson")
+    parser.add_argument("--rate", type=non_negative_float, default=None, help="requests per second (with poisson)")
+    parser.add_argument("--memory-budget", type=byte_size, default=None, help="KV pool bytes, e.g. 64MiB")
+    parser.add_argument("--page-size", type=positive_int, default=16, help="rows per KV page")
+    parser.add_argument("--prefill-chunk", type=positive_int, default=128, help="prompt tokens per prefill call")
+    parser.add_argument("--steps-per-iteration", type=positive_int, default=4, help="decoding steps per scheduling")
+    parser.add_argument("--max-prompt-tokens", type=positive_int, default=None, help="default: the longest prompt")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument(
+        "--compile-cache", default=DEFAULT_COMPILE_CACHE, help="persistent XLA compilation cache directory, '' for none"
+    )
+    parser.add_argument("--out", required=True, help="output directory")
+    return parser.parse_args(argv)
+
+
+def check_args(args) -> None:
+    if args.arrival == "poisson" and (args.rate is None or not args.rate > 0):
+        raise InputError("--arrival poisson needs --rate > 0 (requests per second)")
+    if args.arrival == "closed" and args.rate is not None:
+        raise InputError("--rate sets Poisson arrivals: it needs --arrival poisson")
+    if len(set(args.drafter)) != len(args.drafter):
+        raise InputError("each --drafter may be given once")
+    try:
+        parse_tasks(args.tasks)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
+def request_prompts(target: Target, tasks: str, count: int) -> list[list[int]]:
+    """Token ids of `count` first turns, spread over the tasks (and repeated when the tasks have fewer)."""
+    task_names = parse_tasks(tasks)
+    prompts = load_prompts(task_names, math.ceil(count / len(task_names)))
+    by_task = [[p for p in prompts if p.task == t] for t in task_names]
+    interleaved = [p for group in zip(*by_task, strict=False) for p in group] or prompts
+    return [target.encoder.encode(interleaved[i % len(interleaved)], []) for i in range(count)]
+
+
+def served(target: Target, method: Method) -> Model:
+    if method.drafter is None:
+        return Model(target.params, target.config)
+    config, params, vocab = method.drafter
+    return Model(target.params, target.config, params, config, vocab)
+
+
+def pool_pages(model: Model, args, slots: int, max_prompt: int) -> int:
+    """Pages of the pool (the null page included): what the budget pays for, or room for every slot's longest
+    request."""
+    if args.memory_budget is not None:
+        return args.memory_budget // sum(page_bytes(model.target, model.drafter, args.page_size))
+    longest = pages_for(max_prompt + args.max_new_tokens + model.lookahead, args.page_size)
+    return slots * longest + 1
+
+
+def drive(engine: ServingEngine, prompts: list[list[int]], clients: int, args) -> tuple[list[Completion], float]:
+    """Send every prompt to `engine` (closed loop with `clients` clients, or Poisson arrivals) and serve them all
+    -> (completions, the clock time the first request was sent)."""
+    requests = [Request(f"q{i}", tuple(p), seed=args.seed + i) for i, p in enumerate(prompts)]
+    rng = np.random.default_rng(args.seed)
+    start = engine.clock()
+    if args.arrival == "poisson":
+        due = start + np.cumsum(rng.exponential(1.0 / args.rate, len(requests)))
+    else:
+        due = np.full(len(requests), np.inf)
+        due[:clients] = start
+    done: list[Completion] = []
+    sent = 0
+    while len(done) < len(requests):
+        now = engine.clock()
+        while sent < len(requests) and due[sent] <= now:
+            refused = engine.submit(requests[sent])
+            sent += 1
+            if refused is not None:
+                done.append(refused)
+                if args.arrival == "closed" and sent < len(requests):
+                    due[sent] = min(due[sent], now)
+        if engine.busy:
+            finished = engine.step()
+            done += finished
+            if args.arrival == "closed":  # each answer frees its client to send the next request
+                for j in range(sent, min(sent + len(finished), len(requests))):
+                    due[j] = min(due[j], engine.clock())
+        elif sent < len(requests):
+            time.sleep(max(0.0, min(due[sent] - engine.clock(), 1.0)))
+    return done, start
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def inter_token_latencies(c: Completion) -> list[float]:
+    """Per token after the first: the time since the previous tokens arrived, shared by the tokens arriving together."""
+    out = []
+    for (before, _), (at, n) in zip(c.bursts, c.bursts[1:], strict=False):
+        out += [(at - before) / n] * n
+    return out
+
+
+def measure(engine: ServingEngine, completions: list[Completion], start: float, model: Model, args) -> dict:
+    """The row of one method x concurrency (see the module docstring)."""
+    answered = [c for c in completions if c.refused is None]
+    tokens = sum(len(c.tokens) for c in answered)
+    elapsed = max((c.finished for c in answered), default=start) - start
+    ttft = [c.first_token - c.submitted for c in answered]
+    itl = [x for c in answered for x in inter_token_latencies(c)]
+    steps = sum(c.steps for c in answered)
+    target_page, drafter_page = page_bytes(model.target, model.drafter, args.page_size)
+    usable = engine.allocator.usable
+    occupancy = np.asarray(engine.occupancy or [0])
+    return {
+        "slots": engine.config.slots,
+        "pool_pages": usable,
+        "requests": len(completions),
+        "answered": len(answered),
+        "refused": len(completions) - len(answered),
+        "preemptions": engine.preemptions,
+        "tokens": tokens,
+        "seconds": elapsed,
+        "throughput": tokens / elapsed if elapsed > 0 else 0.0,
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        "itl_p50": percentile(itl, 50),
+        "itl_p99": percentile(itl, 99),
+        "tau": (sum(c.accepted for c in answered) + steps) / steps if steps else None,
+        "iterations": engine.iterations,
+        "target_occupancy_mean": float(occupancy.mean()) / usable,
+        "target_occupancy_peak": float(occupancy.max()) / usable,
+        "drafter_occupancy_mean": float(occupancy.mean()) / usable if drafter_page else 0.0,
+        "drafter_occupancy_peak": float(occupancy.max()) / usable if drafter_page else 0.0,
+        "target_kv_bytes_peak": int(occupancy.max()) * target_page,
+        "drafter_kv_bytes_peak": int(occupancy.max()) * drafter_page,
+        "target_page_bytes": target_page,
+        "drafter_page_bytes": drafter_page,
+        "request_pages": engine.request_pages(engine.config.max_prompt_tokens),
+    }
+
+
+def serve(target: Target, method: Method, slots: int, prompts: list[list[int]], args, max_prompt: int) -> dict:
+    """Warm up (compile) then time one method at one concurrency -> its row."""
+    model = served(target, method)
+    config = ServingConfig(
+        slots=slots,
+        num_pages=max(pool_pages(model, args, slots, max_prompt), 2),
+        page_size=args.page_size,
+        max_prompt_tokens=max_prompt,
+        max_new_tokens=args.max_new_tokens,
+        prefill_chunk=args.prefill_chunk,
+        steps_per_iteration=args.steps_per_iteration,
+        sampling=SamplingConfig(temperature=args.temperature),
+        eos_ids=target.eos_ids,
+        pad_id=target.pad_id,
+        seed=args.seed,
+    )
+    warm = ServingEngine(model, config)
+    shortest = min(prompts, key=len)
+    if warm.submit(Request("warm-up", tuple(shortest))) is None:
+        while warm.busy:
+            warm.step()
+    del warm
+    engine = ServingEngine(model, config)
+    completions, start = drive(engine, prompts, slots, args)
+    return {"method": method.name, "kind": "plain" if method.drafter is None else method.drafter[0].kind} | measure(
+        engine, completions, start, model, args
+    )
+
+
+def sustained(rows: list[dict], method: str) -> dict | None:
+    """The row of the largest concurrency at which `method` answered every request without preempting any."""
+    ok = [r for r in rows if r["method"] == method and r["refused"] == 0 and r["preemptions"] == 0]
+    return max(ok, key=lambda r: r["slots"], default=None)
+
+
+def write_report(out_dir: str, rows: list[dict], meta: dict) -> list[str]:
+    """`report.md` and the plots (`PLOTS`) from the rows -> their paths."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    plain = {r["slots"]: r for r in rows if r["method"] == PLAIN}
+    ms = lambda x: fmt(x * 1000, 1)
+    lines = [
+        "# Serving: throughput vs concurrency",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in meta["machine"].items()),
+        "",
+        f"Target: {meta['target']}",
+        "",
+        "Settings: " + ", ".join(f"{k} {v}" for k, v in meta["settings"].items()),
+        "",
+        "| method | concurrency | pool pages | answered | tok/s | x plain | TTFT p50 / p99 ms | ITL p50 / p99 ms | tau "
+        "| target KV occ. mean / peak | drafter KV occ. mean / peak | peak KV MiB target + drafter | preempted "
+        "| refused |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        base = plain.get(r["slots"])
+        ratio = r["throughput"] / base["throughput"] if base and base["throughput"] else float("nan")
+        lines.append(
+            f"| {r['method']} | {r['slots']} | {r['pool_pages']} | {r['answered']}/{r['requests']} "
+            f"| {fmt(r['throughput'], 1)} | {fmt(ratio)} | {ms(r['ttft_p50'])} / {ms(r['ttft_p99'])} "
+            f"| {ms(r['itl_p50'])} / {ms(r['itl_p99'])} | {fmt(r['tau']) if r['tau'] is not None else '-'} "
+            f"| {fmt(r['target_occupancy_mean'])} / {fmt(r['target_occupancy_peak'])} "
+            f"| {fmt(r['drafter_occupancy_mean'])} / {fmt(r['drafter_occupancy_peak'])} "
+            f"| {fmt(r['target_kv_bytes_peak'] / MIB)} + {fmt(r['drafter_kv_bytes_peak'] / MIB)} "
+            f"| {r['preemptions']} | {r['refused']} |"
+        )
+    lines += [
+        "",
+        "Occupancy: KV pages in use / pages in the pool (mean and peak over scheduling iterations). A DFlash/DSpark "
+        "page holds the drafter's K/V rows beside the target's (one page table), so its fraction equals the "
+        "target's while its bytes add to them.",
+    ]
+    if meta["settings"].get("memory budget") is not None:
+        budget = meta["settings"]["memory budget"]
+        lines += [
+            "",
+            f"## Under a KV memory budget of {budget} bytes ({budget / MIB:.1f} MiB)",
+            "",
+            "| method | KiB per page target + drafter | pool pages | longest requests that fit at once "
+            "| max concurrency sustained (measured) | tok/s there |",
+            "|---|---|---|---|---|---|",
+        ]
+        for m in methods:
+            first = next(r for r in rows if r["method"] == m)
+            fits = first["pool_pages"] // first["request_pages"]
+            best = sustained(rows, m)
+            lines.append(
+                f"| {m} | {fmt(first['target_page_bytes'] / 1024, 1)} + {fmt(first['drafter_page_bytes'] / 1024, 1)} "
+                f"| {first['pool_pages']} | {fits} | {best['slots'] if best else 0} "
+                f"| {fmt(best['throughput'], 1) if best else '-'} |"
+            )
+        lines += [
+            "",
+            "Sustained: every request answered and none preempted at that concurrency (among those run). "
+            "'Longest requests that fit': pool pages / pages of a request with the longest prompt and every new token.",
+        ]
+    report = os.path.join(out_dir, "report.md")
+    with open(report, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return [report, *plot(out_dir, rows, methods)]
+
+
+def plot(out_dir: str, rows: list[dict], methods: list[str]) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+
+    def curve(ax, key, scale=1.0, label_suffix="", style="-"):
+        for m in methods:
+            mine = sorted((r for r in rows if r["method"] == m), key=lambda r: r["slots"])
+            ax.plot(
+                [r["slots"] for r in mine], [r[key] * scale for r in mine], style, marker="o", label=m + label_suffix
+            )
+
+    def finish(fig, ax, name, ylabel):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency (slots)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(PLOTS[name])
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out_dir, name)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    curve(ax, "throughput")
+    finish(fig, ax, "serving_throughput.png", "generated tokens / s")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    curve(ax, "ttft_p50", 1000, " TTFT")
+    curve(ax, "itl_p50", 1000, " ITL", "--")
+    ax.set_yscale("log")
+    finish(fig, ax, "serving_latency.png", "ms (p50)")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        r["kv_mib_peak"] = (r["target_kv_bytes_peak"] + r["drafter_kv_bytes_peak"]) / MIB
+    curve(ax, "kv_mib_peak")
+    finish(fig, ax, "serving_kv.png", "peak KV in use, MiB (target + drafter)")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    check_args(args)
+    try:
+        target = load_eval_target(args.target, args.recipe, args.seed)
+        prompts = request_prompts(target, args.tasks, args.requests)
+        methods = load_methods(target, args.target, args.drafter, prompts)
+    except (ValueError, FileNotFoundError) as e:  # InputError and CheckpointError are ValueErrors too
+        raise InputError(str(e)) from None
+    max_prompt = args.max_prompt_tokens or max(len(p) for p in prompts)
+    os.makedirs(args.out, exist_ok=True)
+    if args.compile_cache:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    rows = []
+    with open(os.path.join(args.out, "results.jsonl"), "w") as results:
+        for method in methods:
+            for slots in args.concurrency:
+                row = serve(target, method, slots, prompts, args, max_prompt)
+                rows.append(row)
+                results.write(json.dumps(row) + "\n")
+                results.flush()
+                print(
+                    f"{method.name} x{slots}: {row['throughput']:.1f} tok/s, {row['answered']}/{row['requests']} "
+                    f"answered, {row['preemptions']} preempted, peak KV occupancy {row['target_occupancy_peak']:.2f}",
+                    file=sys.stderr,
+                )
+    meta = {
+        "command": "python -m eval.serving " + shlex.join(argv),
+        "target": target.name,
+        "machine": machine_facts(target.config.dtype, bandwidth=False),
+        "settings": {
+            "requests": args.requests,
+            "tasks": args.tasks,
+            "arrival": args.arrival if args.arrival == "closed" else f"poisson {args.rate}/s",
+            "max new tokens": args.max_new_tokens,
+            "max prompt tokens": max_prompt,
+            "page size": args.page_size,
+            "prefill chunk": args.prefill_chunk,
+            "steps per iteration": args.steps_per_iteration,
+            "temperature": args.temperature,
+            "memory budget": args.memory_budget,
+        },
+    }
+    with open(os.path.join(args.out, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    for path in write_report(args.out, rows, meta):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(main))

@@ -1,0 +1,440 @@
+"""Continuous batching over the paged KV pool: requests queue, a fixed number of slots decode together, and
+prompts are prefilled between decoding steps.
+
+    engine = ServingEngine(Model(target_params, target, drafter_params, drafter, vocab), ServingConfig(...))
+    refused = engine.submit(Request("r1", prompt_ids))      # None, or a refused Completion (with the reason)
+    while engine.busy:
+        for completion in engine.step(): ...
+
+One `step` is one scheduling iteration:
+
+1. admit queued requests (first come, first served) into free slots while the pool has pages for their prompts;
+2. feed every admitted slot that has not started decoding one chunk of its prompt (`prefill_chunk` tokens, so a
+   long prompt takes several iterations, interleaved with the others' decoding); the last chunk samples the first
+   token (and drafts the first block) and the slot starts decoding;
+3. give every decoding slot pages for the rows the next `steps_per_iteration` steps can write; when the pool runs
+   out, preempt the most recently admitted request: its pages are freed and it goes back to the front of the
+   queue, to restart from its prompt later (recompute);
+4. run `steps_per_iteration` decoding steps for all slots at once: plain decoding or draft-and-verify with any
+   drafter, the very loops of `hspec_jax.decoding` on the paged cache, jitted with static shapes `[slots, ...]`
+   (idle slots ride along as finished sequences);
+5. hand back the finished requests and free their slots and pages at once.
+
+A request that can never be served (an empty prompt, a prompt over `max_prompt_tokens`, more pages than the whole
+pool) is refused when submitted, with the reason in its `Completion`: never a crash, never a truncated answer.
+Every slot's state lives on the device; the host keeps the page allocator and the per-request bookkeeping.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hspec_jax.decoding.autoregressive import decode_chunk, prefill, start_decode
+from hspec_jax.decoding.sampling import SamplingConfig
+from hspec_jax.decoding.speculative import spec_decode_chunk, spec_prefill
+from hspec_jax.drafters.config import DrafterConfig, check_target
+from hspec_jax.drafters.vocab import DraftVocab
+from hspec_jax.models.config import TargetConfig
+from hspec_jax.serving.allocator import PageAllocator, pages_for
+from hspec_jax.serving.paged import PagedBuffers, paged_cache, paged_context
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingConfig:
+    """Static engine settings: the shapes every jitted step is compiled for, and the decoding rule."""
+
+    slots: int  # sequences decoded together (the batch of every decoding step)
+    num_pages: int  # pages in the pool, the null page included
+    page_size: int = 16  # rows per page
+    max_prompt_tokens: int = 512  # longer prompts are refused; with the new tokens, sets the pages per sequence
+    max_new_tokens: int = 64
+    prefill_chunk: int = 64  # prompt tokens per prefill call
+    steps_per_iteration: int = 4  # decoding steps between two scheduling decisions
+    sampling: SamplingConfig = SamplingConfig()
+    eos_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("slots", "page_size", "max_prompt_tokens", "max_new_tokens", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.steps_per_iteration < 1:
+            raise ValueError(f"steps_per_iteration must be >= 1, got {self.steps_per_iteration}")
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (the null page and one more), got {self.num_pages}")
+
+
+class Model(NamedTuple):
+    """What is served: the target alone (plain decoding) or with a drafter (draft-and-verify)."""
+
+    target_params: dict
+    target: TargetConfig
+    drafter_params: dict | None = None
+    drafter: DrafterConfig | None = None
+    vocab: DraftVocab | None = None
+
+    @property
+    def lookahead(self) -> int:
+        """Rows a step writes past the committed ones (the verified block: k + 1; 0 for plain decoding)."""
+        return 0 if self.drafter is None else self.drafter.block_size
+
+    @property
+    def rows_per_step(self) -> int:
+        """The most rows one decoding step commits or writes ahead of the committed ones."""
+        return max(self.lookahead, 1)
+
+
+class Request(NamedTuple):
+    id: str
+    prompt: tuple[int, ...]  # token ids
+    seed: int = 0  # sampling seed of its prefill
+
+
+@dataclasses.dataclass
+class Completion:
+    request: Request
+    tokens: np.ndarray  # generated ids, EOS included; empty when refused
+    submitted: float  # clock times (seconds)
+    first_token: float | None
+    finished: float
+    bursts: list[tuple[float, int]]  # (clock time, tokens that became available then), from the first token on
+    steps: int = 0  # draft-and-verify steps (0 for plain decoding)
+    accepted: int = 0  # drafted tokens accepted
+    preemptions: int = 0
+    refused: str | None = None  # why the request was not served
+
+
+@dataclasses.dataclass
+class _Slot:
+    request: Request
+    submitted: float
+    order: int  # admission counter: preemption takes the largest
+    preemptions: int
+    fed: int = 0  # prompt tokens prefilled
+    emitted: int = 0  # tokens generated so far (0 until the prompt is prefilled)
+    first_token: float | None = None
+    bursts: list = dataclasses.field(default_factory=list)
+
+    @property
+    def decoding(self) -> bool:
+        return self.emitted > 0
+
+
+_STATIC = ("target", "drafter", "sampling", "max_new_tokens", "eos_ids", "pad_id")
+_serve_jit = functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state", "cache", "context"))
+_SHARED_FIELDS = ("step", "rng")  # loop-state fields of the whole batch; every other field has one row per slot
+
+
+def _slot_of(context, slot):
+    return context.slot(slot) if isinstance(context, PagedBuffers) else context
+
+
+def _start_one(target_params, target, drafter_params, drafter, vocab, cache, context, tokens, length, rng, **kw):
+    """Prefill `tokens [1, C]` (the first `length [1]` real) into a one-sequence cache at its committed length ->
+    (that sequence's decoding state as if it started now, cache, context): `prefill` + `start_decode`, or
+    `spec_prefill`."""
+    if drafter is None:
+        first_rng, loop_rng = jax.random.split(rng)
+        pre = prefill(target_params, target, tokens, length, cache, first_rng, kw["sampling"])
+        loop = {name: kw[name] for name in ("max_new_tokens", "eos_ids", "pad_id")}
+        return start_decode(pre.cache, pre.token, loop_rng, **loop), pre.cache, context
+    models = (target_params, target, drafter_params, drafter, vocab)
+    return spec_prefill(*models, tokens, length, cache, context, rng, **kw)
+
+
+@_serve_jit
+def prefill_slot(
+    target_params,
+    target,
+    drafter_params,
+    drafter,
+    vocab,
+    state,
+    cache,
+    context,
+    slot,
+    tokens,
+    length,
+    final,
+    rng,
+    *,
+    max_new_tokens,
+    sampling,
+    eos_ids,
+    pad_id,
+):
+    """One chunk `tokens [1, C]` (the first `length [1]` real) of slot `slot`'s prompt, written at its committed
+    length and committed. On the `final` chunk the slot's row of the loop state becomes that of a sequence that
+    just started (first token sampled, first block drafted); before it, the row is left as it is (finished)."""
+    models = (target_params, target, drafter_params, drafter, vocab)
+    kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
+    one, view, view_context = _start_one(*models, cache.slot(slot), _slot_of(context, slot), tokens, length, rng, **kw)
+    cache = cache.with_slot(slot, view)
+    if isinstance(context, PagedBuffers):
+        context = context.with_slot(slot, view_context)
+
+    def put(rows, row):
+        return rows.at[slot].set(jnp.where(final, row[0], rows[slot]))
+
+    rows = {f: jax.tree.map(put, getattr(state, f), getattr(one, f)) for f in state._fields if f not in _SHARED_FIELDS}
+    return state._replace(**rows), cache, context
+
+
+@_serve_jit
+def decode_slots(
+    target_params,
+    target,
+    drafter_params,
+    drafter,
+    vocab,
+    state,
+    cache,
+    context,
+    steps,
+    rng,
+    *,
+    max_new_tokens,
+    sampling,
+    eos_ids,
+    pad_id,
+):
+    """Up to `steps` decoding steps of every slot (`decode_chunk` or `spec_decode_chunk`, counted from 0)."""
+    kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
+    if drafter is None:
+        state = state._replace(step=jnp.int32(0), rng=rng)
+        state, cache = decode_chunk(target_params, target, state, cache, steps, **kw)
+        return state, cache, context
+    state = state._replace(step=jnp.int32(0))
+    return spec_decode_chunk(target_params, target, drafter_params, drafter, vocab, state, cache, context, steps, **kw)
+
+
+class ServingEngine:
+    """See the module docstring. `clock` gives the times in `Completion`s (seconds)."""
+
+    def __init__(self, model: Model, config: ServingConfig, clock=time.perf_counter):
+        if model.drafter is not None:
+            check_target(model.drafter, model.target)
+        self.model, self.config, self.clock = model, config, clock
+        c = config
+        self.max_pages = pages_for(c.max_prompt_tokens + c.max_new_tokens + model.lookahead, c.page_size)
+        self.allocator = PageAllocator(c.num_pages, c.slots, self.max_pages, c.page_size)
+        self.cache = paged_cache(model.target, c.slots, c.num_pages, c.page_size, self.max_pages)
+        self.context = paged_context(model.drafter, self.cache)
+        self._kw = dict(max_new_tokens=c.max_new_tokens, sampling=c.sampling, eos_ids=c.eos_ids, pad_id=c.pad_id)
+        self.state = self._empty_state()
+        self.queue: collections.deque[tuple[Request, float, int]] = collections.deque()
+        self.slots: list[_Slot | None] = [None] * c.slots
+        self.lengths = np.zeros(c.slots, np.int64)  # committed rows per slot, as of the last device read
+        self.occupancy: list[int] = []  # pages in use at the end of each iteration
+        self.preemptions = 0
+        self.iterations = 0
+        self._admitted = 0
+        self._table_dirty = False
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def busy(self) -> bool:
+        """Whether requests are queued or running."""
+        return bool(self.queue) or any(s is not None for s in self.slots)
+
+    @property
+    def running(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    def request_pages(self, prompt_tokens: int) -> int:
+        """Pages a request needs at its longest: prompt, new tokens and one verified block."""
+        rows = prompt_tokens + self.config.max_new_tokens + self.model.lookahead
+        return pages_for(rows, self.config.page_size)
+
+    def refusal(self, request: Request) -> str | None:
+        """Why `request` can never be served by this engine (None if it can)."""
+        n = len(request.prompt)
+        if n == 0:
+            return "empty prompt"
+        if n > self.config.max_prompt_tokens:
+            return f"prompt of {n} tokens exceeds the serving limit of {self.config.max_prompt_tokens}"
+        if max(request.prompt) >= self.model.target.vocab_size or min(request.prompt) < 0:
+            return f"token ids outside the model's vocabulary of {self.model.target.vocab_size}"
+        pages = self.request_pages(n)
+        if pages > self.allocator.usable:
+            return f"needs {pages} KV pages, more than the pool's {self.allocator.usable}"
+        return None
+
+    def submit(self, request: Request) -> Completion | None:
+        """Queue `request`; a request that can never be served is refused at once (returned, with the reason)."""
+        now = self.clock()
+        reason = self.refusal(request)
+        if reason is not None:
+            return Completion(request, np.zeros(0, np.int32), now, None, now, [], refused=reason)
+        self.queue.append((request, now, 0))
+        return None
+
+    def step(self) -> list[Completion]:
+        """One scheduling iteration (module docstring) -> the requests that finished in it."""
+        self._admit()
+        self._prefill()
+        decoding = self._reserve()
+        self._sync_table()
+        if decoding:
+            rng = jax.random.fold_in(jax.random.key(self.config.seed), self.iterations)
+            steps = jnp.int32(self.config.steps_per_iteration)
+            self.state, self.cache, self.context = decode_slots(
+                *self.model, self.state, self.cache, self.context, steps, rng, **self._kw
+            )
+        finished = self._collect()
+        self.iterations += 1
+        self.occupancy.append(self.allocator.used)
+        return finished
+
+    # ------------------------------------------------------------------ the iteration's parts
+
+    def _empty_state(self):
+        """The loop state with every slot finished (idle), shaped like `_start_one`'s output for `slots` rows."""
+        c = self.config
+        tokens, length = jnp.zeros((1, c.prefill_chunk), jnp.int32), jnp.ones((1,), jnp.int32)
+        view, view_context = self.cache.slot(jnp.int32(0)), _slot_of(self.context, jnp.int32(0))
+        one = jax.eval_shape(
+            lambda: _start_one(*self.model, view, view_context, tokens, length, jax.random.key(0), **self._kw)[0]
+        )
+        rows = {
+            f: jax.tree.map(lambda x: jnp.zeros((c.slots, *x.shape[1:]), x.dtype), getattr(one, f))
+            for f in one._fields
+            if f not in _SHARED_FIELDS
+        }
+        rows["done"] = jnp.ones((c.slots,), bool)
+        rows["tokens"] = jnp.full(rows["tokens"].shape, c.pad_id, jnp.int32)
+        return one._replace(step=jnp.int32(0), rng=jax.random.key(c.seed), **rows)
+
+    def _admit(self) -> None:
+        """Queued requests into free slots, in order, while the pool has pages for their prompts."""
+        for slot in range(self.config.slots):
+            if not self.queue:
+                return
+            if self.slots[slot] is not None:
+                continue
+            request, submitted, preemptions = self.queue[0]
+            if not self.allocator.grow(slot, len(request.prompt)):
+                return  # wait for pages: finishing requests free them
+            self.queue.popleft()
+            self.slots[slot] = _Slot(request, submitted, self._admitted, preemptions)
+            self._admitted += 1
+            self.lengths[slot] = 0
+            self._table_dirty = True
+
+    def _prefill(self) -> None:
+        """One prompt chunk for every admitted slot that has not started decoding."""
+        c = self.config
+        self._sync_table()
+        started = []
+        for slot, s in self._by_admission():
+            if s.decoding:
+                continue
+            chunk = s.request.prompt[s.fed : s.fed + c.prefill_chunk]
+            tokens = np.full((1, c.prefill_chunk), c.pad_id, np.int32)
+            tokens[0, : len(chunk)] = chunk
+            final = s.fed + len(chunk) == len(s.request.prompt)
+            self.state, self.cache, self.context = prefill_slot(
+                *self.model,
+                self.state,
+                self.cache,
+                self.context,
+                jnp.int32(slot),
+                tokens,
+                np.asarray([len(chunk)], np.int32),
+                jnp.asarray(final),
+                jax.random.key(s.request.seed),
+                **self._kw,
+            )
+            s.fed += len(chunk)
+            self.lengths[slot] = s.fed
+            if final:
+                started.append(s)
+        if started:
+            jax.block_until_ready(self.state.num)
+            now = self.clock()
+            for s in started:
+                s.emitted, s.first_token = 1, now
+                s.bursts.append((now, 1))
+
+    def _reserve(self) -> bool:
+        """Pages for the rows the next decoding steps may write, oldest requests first, preempting the youngest
+        when the pool runs out -> whether any slot is decoding."""
+        rows_ahead = self.config.steps_per_iteration * self.model.rows_per_step
+        decoding = False
+        for slot, s in self._by_admission():
+            if self.slots[slot] is not s or not s.decoding:
+                continue  # preempted just now, or still prefilling
+            limit = len(s.request.prompt) + self.config.max_new_tokens + self.model.lookahead
+            need = min(int(self.lengths[slot]) + rows_ahead, limit)
+            while not self.allocator.grow(slot, need):
+                victim = max(self._by_admission(), key=lambda item: item[1].order)[0]
+                self._preempt(victim)
+                if victim == slot:
+                    break
+            else:
+                self._table_dirty = True
+                decoding = True
+        return decoding
+
+    def _preempt(self, slot: int) -> None:
+        s = self.slots[slot]
+        self._free(slot)
+        self.queue.appendleft((s.request, s.submitted, s.preemptions + 1))
+        self.preemptions += 1
+
+    def _free(self, slot: int) -> None:
+        """Release the slot and its pages; its row of the loop state becomes finished, its length 0."""
+        self.allocator.release(slot)
+        self.slots[slot] = None
+        self.lengths[slot] = 0
+        self.state = self.state._replace(done=self.state.done.at[slot].set(True))
+        self.cache = self.cache.replace(lengths=self.cache.lengths.at[slot].set(0))
+        self._table_dirty = True
+
+    def _collect(self) -> list[Completion]:
+        """Read every slot's progress; hand back and free the finished ones."""
+        num, done, lengths = jax.device_get((self.state.num, self.state.done, self.cache.lengths))
+        now = self.clock()
+        finished = []
+        for slot, s in self._by_admission():
+            if not s.decoding:
+                continue
+            self.lengths[slot] = lengths[slot]
+            if num[slot] > s.emitted:
+                s.bursts.append((now, int(num[slot] - s.emitted)))
+                s.emitted = int(num[slot])
+            if done[slot]:
+                finished.append(self._completion(slot, s, now))
+                self._free(slot)
+        return finished
+
+    def _completion(self, slot: int, s: _Slot, now: float) -> Completion:
+        tokens = np.asarray(jax.device_get(self.state.tokens[slot, : s.emitted]))
+        steps = accepted = 0
+        stats = getattr(self.state, "stats", None)
+        if stats is not None:
+            steps, accepted = (int(x) for x in jax.device_get((stats.steps[slot], stats.accepted[slot])))
+        return Completion(s.request, tokens, s.submitted, s.first_token, now, s.bursts, steps, accepted, s.preemptions)
+
+    def _by_admission(self) -> list[tuple[int, _Slot]]:
+        """(slot, bookkeeping) of the occupied slots, oldest admission first."""
+        return sorted(((i, s) for i, s in enumerate(self.slots) if s is not None), key=lambda item: item[1].order)
+
+    def _sync_table(self) -> None:
+        """Copy the allocator's page table to the device caches after a change."""
+        if not self._table_dirty:
+            return
+        self.cache = self.cache.replace(page_table=jnp.asarray(self.allocator.table))
+        if isinstance(self.context, PagedBuffers):  # its own copy: both caches are donated to the same call
+            self.context = self.context.replace(page_table=jnp.asarray(self.allocator.table))
+        self._table_dirty = False

@@ -1,0 +1,188 @@
+"""Serving: the paged pool's allocator and accessors, and continuous batching that is lossless under greedy
+decoding (every request's answer equals decoding it alone) for plain decoding and the drafter families, with
+requests arriving while others decode, long prompts prefilled in chunks, and preemption when the pool runs out."""
+
+import importlib
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eval import serving as eval_serving
+from hspec_jax.cli import run
+from hspec_jax.decoding import generate, pad_batch
+from hspec_jax.drafters import init_drafter, init_from_target
+from hspec_jax.drafters.vocab import build_draft_vocab
+from hspec_jax.models import init_cache, init_params
+from hspec_jax.recipes import drafter_from_recipe, target_config
+from hspec_jax.serving import (
+    NULL_PAGE,
+    Model,
+    PageAllocator,
+    Request,
+    ServingConfig,
+    ServingEngine,
+    paged_cache,
+)
+
+RECIPE = importlib.import_module("configs.tiny").get_config()
+TARGET = target_config(RECIPE)
+EOS = 37  # a stop id some of the greedy answers below reach (the others run to MAX_NEW)
+MAX_NEW = 20
+
+
+def test_allocator_never_leaks_or_shares_pages():
+    rng = np.random.default_rng(0)
+    alloc = PageAllocator(num_pages=17, slots=4, max_pages=6, page_size=4)
+    refused = 0
+    for _ in range(2000):
+        slot = int(rng.integers(4))
+        if rng.random() < 0.3:
+            alloc.release(slot)
+        else:
+            before = (list(alloc.held[slot]), list(alloc.free))
+            rows = int(rng.integers(1, 30))
+            if not alloc.grow(slot, rows):
+                refused += 1
+                assert (alloc.held[slot], alloc.free) == before  # all or nothing
+            else:
+                assert len(alloc.held[slot]) * 4 >= rows
+        alloc.check()
+        assert alloc.used == sum(len(p) for p in alloc.held) <= alloc.usable == 16
+    assert refused > 0  # exhaustion (pool or table) was exercised
+    for slot in range(4):
+        alloc.release(slot)
+    alloc.check()
+    assert alloc.used == 0 and NULL_PAGE not in alloc.free
+
+
+def test_paged_cache_reads_what_the_dense_cache_reads():
+    """Rows written through the page table read back (dense view) exactly as from the dense cache."""
+    pages, page = 9, 4
+    cache = paged_cache(TARGET, 2, pages, page, max_pages=4)
+    alloc = PageAllocator(pages, 2, 4, page)
+    alloc.grow(1, 10)  # slot 1 first, so slot 0's pages are not the lowest ids
+    alloc.grow(0, 14)
+    cache = cache.replace(page_table=jnp.asarray(alloc.table))
+    dense = init_cache(TARGET, 2, 16)
+    write = jax.jit(lambda c, k, v, starts: c.write(3, k, v, starts))
+    rng = np.random.default_rng(1)
+    for starts, t in (((0, 0), 6), ((6, 6), 5)):
+        k = jnp.asarray(rng.normal(size=(2, t, TARGET.num_kv_heads, TARGET.head_dim)), jnp.float32)
+        v = k * 2.0
+        starts = jnp.asarray(starts, jnp.int32)
+        cache, dense = write(cache, k, v, starts), write(dense, k, v, starts)
+    for paged_rows, dense_rows in zip(cache.layer(3), dense.layer(3), strict=True):
+        np.testing.assert_array_equal(np.asarray(paged_rows[0, :11]), np.asarray(dense_rows[0, :11]))
+        np.testing.assert_array_equal(np.asarray(paged_rows[1, :10]), np.asarray(dense_rows[1, :10]))
+    assert float(jnp.abs(cache.k[3][np.asarray(alloc.free)]).sum()) == 0  # nothing written into unallocated pages
+
+
+@pytest.fixture(scope="module")
+def target_params():
+    params = jax.jit(init_params, static_argnums=0)(TARGET, jax.random.key(0))
+    return jax.tree.map(lambda x: x * 4.0 if x.ndim == 2 else x, params)  # peaked: greedy far from ties
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(3)
+    return [tuple(int(x) for x in rng.integers(4, TARGET.vocab_size, n)) for n in (5, 23, 9, 14, 3, 19)]
+
+
+@pytest.fixture(scope="module")
+def alone(target_params, prompts):
+    """Plain greedy decoding of each request alone (one padded width and capacity: one compilation)."""
+    answers = []
+    for prompt in prompts:
+        tokens, lengths = pad_batch([list(prompt)], length=32)
+        out = generate(
+            target_params,
+            TARGET,
+            jnp.asarray(tokens),
+            jnp.asarray(lengths),
+            max_new_tokens=MAX_NEW,
+            eos_ids=(EOS,),
+            cache_capacity=64,
+        )
+        answers.append(np.asarray(out.tokens[0, : int(out.num_tokens[0])]))
+    return answers
+
+
+def served_model(kind, target_params, prompts):
+    if kind == "plain":
+        return Model(target_params, TARGET)
+    config = drafter_from_recipe(RECIPE, kind, TARGET)
+    vocab = build_draft_vocab(np.concatenate(prompts), TARGET.vocab_size, config.vocab_size, always=(EOS,))
+    params = init_from_target(init_drafter(config, jax.random.key(1)), config, target_params, vocab)
+    return Model(target_params, TARGET, params, config, vocab)
+
+
+@pytest.mark.parametrize("kind", ["plain", "hspec", "dflash"])
+def test_continuous_batching_is_lossless(kind, target_params, prompts, alone):
+    """Two slots, six requests arriving over time, prompts longer than a prefill chunk, and a pool too small for
+    two full requests (preemption): every answer equals plain decoding of the request alone."""
+    model = served_model(kind, target_params, prompts)
+    page = 4
+    one_request = -(-(max(map(len, prompts)) + MAX_NEW + model.lookahead) // page)
+    config = ServingConfig(
+        slots=2,
+        num_pages=one_request + 5,  # one full request and a bit: two long ones must preempt
+        page_size=page,
+        max_prompt_tokens=24,
+        max_new_tokens=MAX_NEW,
+        prefill_chunk=8,
+        steps_per_iteration=2,
+        eos_ids=(EOS,),
+    )
+    engine = ServingEngine(model, config)
+    assert engine.submit(Request("too-long", (5,) * 25)).refused.startswith("prompt of 25 tokens exceeds")
+    done = {}
+    arrivals = {0: [0, 1], 2: [2], 3: [3], 6: [4, 5]}  # iteration -> requests submitted then
+    iteration = 0
+    while engine.busy or iteration <= max(arrivals):
+        for i in arrivals.get(iteration, []):
+            assert engine.submit(Request(f"r{i}", prompts[i])) is None
+        for c in engine.step():
+            done[c.request.id] = c
+        engine.allocator.check()
+        iteration += 1
+    assert engine.allocator.used == 0 and engine.running == 0
+    assert engine.preemptions > 0
+    assert max(engine.occupancy) <= engine.allocator.usable
+    assert max(map(len, alone)) == MAX_NEW > min(map(len, alone))  # answers stop at the limit and at EOS
+    for i in range(len(prompts)):
+        c = done[f"r{i}"]
+        np.testing.assert_array_equal(c.tokens, alone[i], err_msg=f"request r{i}")
+        assert c.first_token is not None and c.submitted <= c.first_token <= c.finished
+        assert sum(n for _, n in c.bursts) == len(c.tokens)
+        if model.drafter is not None:
+            assert c.steps >= 1 and 0 <= c.accepted <= c.steps * model.drafter.num_drafts
+
+
+def test_eval_serving_on_the_tiny_random_target(tmp_path):
+    """A short sweep: plain decoding and H-Spec, two slots, under a KV budget; the report and its plots."""
+    out = tmp_path / "serving"
+    argv = ["--target", "random:tiny", "--drafter", "random:hspec", "--tasks", "qa", "--requests", "3"]
+    argv += ["--concurrency", "2", "--max-new-tokens", "8", "--memory-budget", "200KiB", "--compile-cache", ""]
+    assert eval_serving.main([*argv, "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["method"], r["slots"]) for r in rows] == [("plain", 2), ("random:hspec", 2)]
+    for r in rows:
+        assert r["answered"] == 3 and 3 <= r["tokens"] <= 24 and r["throughput"] > 0
+        assert 0 < r["target_occupancy_peak"] <= 1 and r["drafter_occupancy_peak"] == 0  # neither keeps drafter KV
+        assert r["ttft_p50"] > 0 and r["itl_p50"] > 0
+    assert rows[0]["tau"] is None and 1 <= rows[1]["tau"] <= 8
+    text = (out / "report.md").read_text()
+    assert "| random:hspec | 2 |" in text and "Under a KV memory budget of 204800 bytes" in text
+    assert all((out / name).stat().st_size > 0 for name in eval_serving.PLOTS)
+
+
+def test_eval_serving_rejects_bad_arguments(tmp_path, capsys):
+    assert run(eval_serving.main, ["--arrival", "poisson", "--out", str(tmp_path)]) == 1
+    assert "needs --rate" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        eval_serving.main(["--memory-budget", "lots", "--out", str(tmp_path)])
+    assert "expected bytes" in capsys.readouterr().err
