@@ -236,13 +236,11 @@ def serve(target: Target, method: Method, slots: int, prompts: list[list[int]], 
         pad_id=target.pad_id,
         seed=args.seed,
     )
-    warm = ServingEngine(model, config)
-    shortest = min(prompts, key=len)
-    if warm.submit(Request("warm-up", tuple(shortest))) is None:
-        while warm.busy:
-            warm.step()
-    del warm
     engine = ServingEngine(model, config)
+    if engine.submit(Request("warm-up", tuple(min(prompts, key=len)))) is None:  # compiles the engine's programs
+        while engine.busy:
+            engine.step()
+    engine.reset_counters()
     completions, start = drive(engine, prompts, slots, args)
     return {"method": method.name, "kind": "plain" if method.drafter is None else method.drafter[0].kind} | measure(
         engine, completions, start, model, args

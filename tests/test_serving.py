@@ -2,6 +2,7 @@
 decoding (every request's answer equals decoding it alone) for plain decoding and the drafter families, with
 requests arriving while others decode, long prompts prefilled in chunks, and preemption when the pool runs out."""
 
+import argparse
 import importlib
 import json
 
@@ -24,6 +25,7 @@ from hspec_jax.serving import (
     Request,
     ServingConfig,
     ServingEngine,
+    page_bytes,
     paged_cache,
 )
 
@@ -80,6 +82,14 @@ def test_paged_cache_reads_what_the_dense_cache_reads():
     assert float(jnp.abs(cache.k[3][np.asarray(alloc.free)]).sum()) == 0  # nothing written into unallocated pages
 
 
+def test_a_page_costs_the_rows_of_every_layer_that_keeps_kv():
+    row = 2 * TARGET.num_kv_heads * TARGET.head_dim * 4  # K and V of one layer, fp32
+    assert page_bytes(TARGET, None, 16) == (16 * TARGET.num_layers * row, 0)
+    for kind, drafter_layers in (("hspec", 0), ("dflash_target_kv", 0), ("dflash", 5), ("dspark", 5)):
+        config = drafter_from_recipe(RECIPE, kind, TARGET)
+        assert page_bytes(TARGET, config, 16) == (16 * TARGET.num_layers * row, 16 * drafter_layers * row), kind
+
+
 @pytest.fixture(scope="module")
 def target_params():
     params = jax.jit(init_params, static_argnums=0)(TARGET, jax.random.key(0))
@@ -116,20 +126,19 @@ def served_model(kind, target_params, prompts):
         return Model(target_params, TARGET)
     config = drafter_from_recipe(RECIPE, kind, TARGET)
     vocab = build_draft_vocab(np.concatenate(prompts), TARGET.vocab_size, config.vocab_size, always=(EOS,))
-    params = init_from_target(init_drafter(config, jax.random.key(1)), config, target_params, vocab)
+    params = init_from_target(
+        jax.jit(init_drafter, static_argnums=0)(config, jax.random.key(1)), config, target_params, vocab
+    )
     return Model(target_params, TARGET, params, config, vocab)
 
 
-@pytest.mark.parametrize("kind", ["plain", "hspec", "dflash"])
-def test_continuous_batching_is_lossless(kind, target_params, prompts, alone):
-    """Two slots, six requests arriving over time, prompts longer than a prefill chunk, and a pool too small for
-    two full requests (preemption): every answer equals plain decoding of the request alone."""
-    model = served_model(kind, target_params, prompts)
+def small_pool_config(model: Model, prompts) -> ServingConfig:
+    """Two slots, prompts longer than a prefill chunk, a pool for one full request and a bit (two must preempt)."""
     page = 4
     one_request = -(-(max(map(len, prompts)) + MAX_NEW + model.lookahead) // page)
-    config = ServingConfig(
+    return ServingConfig(
         slots=2,
-        num_pages=one_request + 5,  # one full request and a bit: two long ones must preempt
+        num_pages=one_request + 5,
         page_size=page,
         max_prompt_tokens=24,
         max_new_tokens=MAX_NEW,
@@ -137,7 +146,14 @@ def test_continuous_batching_is_lossless(kind, target_params, prompts, alone):
         steps_per_iteration=2,
         eos_ids=(EOS,),
     )
-    engine = ServingEngine(model, config)
+
+
+@pytest.mark.parametrize("kind", ["plain", "hspec", "dflash"])
+def test_continuous_batching_is_lossless(kind, target_params, prompts, alone):
+    """Two slots, six requests arriving over time, prompts longer than a prefill chunk, and a pool too small for
+    two full requests (preemption): every answer equals plain decoding of the request alone."""
+    model = served_model(kind, target_params, prompts)
+    engine = ServingEngine(model, small_pool_config(model, prompts))
     assert engine.submit(Request("too-long", (5,) * 25)).refused.startswith("prompt of 25 tokens exceeds")
     done = {}
     arrivals = {0: [0, 1], 2: [2], 3: [3], 6: [4, 5]}  # iteration -> requests submitted then
@@ -160,6 +176,23 @@ def test_continuous_batching_is_lossless(kind, target_params, prompts, alone):
         assert sum(n for _, n in c.bursts) == len(c.tokens)
         if model.drafter is not None:
             assert c.steps >= 1 and 0 <= c.accepted <= c.steps * model.drafter.num_drafts
+
+
+@pytest.mark.parametrize("arrival", ["closed", "poisson"])
+def test_load_generator_sends_every_request(arrival, target_params, prompts, alone):
+    """`eval.serving.drive`: closed-loop clients (one per slot) or Poisson arrivals; every request is answered, as
+    if alone (the engine of the lossless test: already compiled)."""
+    model = served_model("plain", target_params, prompts)
+    engine = ServingEngine(model, small_pool_config(model, prompts))
+    args = argparse.Namespace(arrival=arrival, rate=200.0, seed=0)
+    completions, start = eval_serving.drive(engine, [list(p) for p in prompts], 2, args)
+    by_id = {c.request.id: c for c in completions}
+    assert sorted(by_id) == [f"q{i}" for i in range(len(prompts))] and engine.running == 0
+    for i in range(len(prompts)):
+        np.testing.assert_array_equal(by_id[f"q{i}"].tokens, alone[i])
+        assert start <= by_id[f"q{i}"].submitted
+    if arrival == "closed":  # the third request waits for the first answer
+        assert min(c.finished for c in completions) <= sorted(c.submitted for c in completions)[2]
 
 
 def test_eval_serving_on_the_tiny_random_target(tmp_path):

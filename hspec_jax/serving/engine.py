@@ -21,7 +21,8 @@ One `step` is one scheduling iteration:
 5. hand back the finished requests and free their slots and pages at once.
 
 A request that can never be served (an empty prompt, a prompt over `max_prompt_tokens`, more pages than the whole
-pool) is refused when submitted, with the reason in its `Completion`: never a crash, never a truncated answer.
+pool) is refused when submitted, with the reason in its `Completion`: never a crash, never a truncated answer. A
+preempted request keeps its submission time; its first token and token times are those of the run that completes.
 Every slot's state lives on the device; the host keeps the page allocator and the per-request bookkeeping.
 """
 
@@ -295,6 +296,12 @@ class ServingEngine:
         self.iterations += 1
         self.occupancy.append(self.allocator.used)
         return finished
+
+    def reset_counters(self) -> None:
+        """Forget the occupancy samples, preemptions and iterations so far (after a warm-up run, when idle)."""
+        if self.busy:
+            raise RuntimeError("reset_counters needs an idle engine")
+        self.occupancy, self.preemptions, self.iterations = [], 0, 0
 
     # ------------------------------------------------------------------ the iteration's parts
 

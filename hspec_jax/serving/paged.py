@@ -132,8 +132,12 @@ def paged_context(drafter: DrafterConfig | None, cache: PagedKVCache) -> PagedBu
 
 def page_bytes(config: TargetConfig, drafter: DrafterConfig | None, page_size: int) -> tuple[int, int]:
     """(target bytes, drafter bytes) of one page: K and V of `page_size` rows in every layer of each model."""
-    cache = jax.eval_shape(lambda: paged_cache(config, 1, 1, page_size, 1))
-    context = jax.eval_shape(lambda: paged_context(drafter, cache))
+
+    def pools():
+        cache = paged_cache(config, 1, 1, page_size, 1)
+        return cache, paged_context(drafter, cache)
+
+    cache, context = jax.eval_shape(pools)
 
     def pool_bytes(pools) -> int:
         return sum(math.prod(x.shape) * x.dtype.itemsize for x in pools)
