@@ -30,9 +30,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# One pytest worker per core, each taking whole files (module fixtures load once per worker).
 test: lint
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n auto --dist loadfile
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.decode

@@ -611,12 +611,13 @@ def test_convert_cli_both_directions(tmp_path, capsys):
 @pytest.mark.slow
 def test_smollm2_drafter_exports_and_reimports(smollm2, tmp_path):
     """The shipped SmolLM2 H-Spec drafter goes to speculators and back bit-identically (its bf16 values, held in
-    fp32); the recipe's explicit fusion rank (= hidden size) comes back as the default it equals."""
+    fp32); the recipe's explicit fusion rank (= hidden size) and parameter dtype come back as the defaults."""
     target, target_params = smollm2
     config, params, vocab = restore_drafter("smollm2-hspec", target)
     export_speculators(tmp_path, params, config, vocab, target_params, verifier="HuggingFaceTB/SmolLM2-135M-Instruct")
     back, back_params, back_vocab = import_speculators(str(tmp_path), target, target_params, window_mode="block")
     assert back.latent_size == config.latent_size == target.hidden_size
-    assert back.replace(fusion_rank=config.fusion_rank) == config and not back.mask_embedding
+    assert back.replace(fusion_rank=config.fusion_rank, param_dtype=config.param_dtype) == config
+    assert not back.mask_embedding
     assert_trees_equal(back_params, params)
     assert np.array_equal(back_vocab.d2t, vocab.d2t)
