@@ -31,7 +31,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 test: lint
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=25
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.decode

@@ -3,6 +3,7 @@ embedded SmolLM2 target (loaded once per session, in JAX and in transformers).""
 
 from __future__ import annotations
 
+import gc
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -77,6 +78,16 @@ def tiny_hf_dir(request, tmp_path):
     path = tmp_path / request.param
     model.save_pretrained(path)
     return request.param, model, str(path)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def free_compiled_programs():
+    """Drop every compiled program after each test module. Each XLA CPU executable keeps a few memory maps;
+    one pytest process compiles thousands, and at the kernel's limit (vm.max_map_count, 65530) the next
+    compilation segfaulted (the whole suite died in tests/test_speculators.py, which passes alone)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
