@@ -35,7 +35,7 @@ for kind in ("hspec", "dspark"):
     drafters[kind] = (config, init_from_target(init_drafter(config, jax.random.key(1)), config, params, vocab))
 
 results = {}
-for spec in ("single", "data=8", "model=2", "data=4,model=2", "data=2,model=4"):
+for spec in ("single", "data=8", "data=4,model=2", "data=2,model=4"):
     mesh = None if spec == "single" else make_mesh(spec)
     out = {"ar": np.asarray(generate(params, target, tokens, lengths, max_new_tokens=20, mesh=mesh).tokens).tolist()}
     for kind, (config, dparams) in drafters.items():
