@@ -82,9 +82,10 @@ def tiny_hf_dir(request, tmp_path):
 
 @pytest.fixture(autouse=True, scope="module")
 def free_compiled_programs():
-    """Drop every compiled program after each test module. Each XLA CPU executable keeps a few memory maps;
-    one pytest process compiles thousands, and at the kernel's limit (vm.max_map_count, 65530) the next
-    compilation segfaulted (the whole suite died in tests/test_speculators.py, which passes alone)."""
+    """Drop every compiled program after each test module. Each XLA CPU executable keeps a few memory maps and
+    one pytest process compiles thousands; without this the map count climbs toward the kernel's limit
+    (vm.max_map_count, 65530) and the whole suite died in an XLA compilation (a segfault in
+    tests/test_speculators.py, which passes alone)."""
     yield
     jax.clear_caches()
     gc.collect()

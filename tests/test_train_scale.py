@@ -1,4 +1,4 @@
-"""Training scale-out: a few steps on 8 simulated host devices (data, fsdp, model meshes) give the losses of
+"""Training scale-out: a few steps on 8 simulated host devices (a data=2,fsdp=2,model=2 mesh) give the losses of
 one device, with the drafter's parameters sharded over fsdp and the batch over data x fsdp."""
 
 import json

@@ -28,9 +28,8 @@ pairs = [[packed_batch(seed=10 * step + i, batch=2) for i in range(4)] for step 
 batches = [{k: np.concatenate([p[k] for p in step]) for k in BATCH_KEYS} for step in pairs]
 
 results = {}
-MESHES = {"hspec": ("single", "data=2,fsdp=2,model=2"), "dspark": ("single", "data=2,fsdp=2,model=2")}
-for kind, specs in MESHES.items():
-    for spec in specs:
+for kind in ("hspec", "dspark"):
+    for spec in ("single", "data=2,fsdp=2,model=2"):
         drafter, vocab, state, optimizer, schedule = setup_state(kind, target_params)
         mesh = None if spec == "single" else parallel.make_mesh(spec)
         tp = target_params
