@@ -30,8 +30,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# One pytest worker per core; tests/conftest.py groups the tests (whole files per worker, the multi-device and
+# multi-process tests one at a time) and shares one compilation cache between workers and subprocesses.
 test: lint
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=25
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadgroup --durations=25
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.decode

@@ -91,6 +91,9 @@ def train_section() -> ml_collections.ConfigDict:
             "muon_lr_multiplier": 10.0,
             "muon_weight_decay": 0.1,
             "clip_norm": 1.0,
+            # A drafter (directory or shipped name) to fine-tune: its weights and draft vocabulary start the
+            # run (the optimiser starts fresh); its config must be the recipe's drafter.
+            "init_from": placeholder(str),
             # Loss weights; unset = the kind's recipe (0.1 CE + 0.9 TV + 1.0 confidence; DFlash: CE only).
             "loss": {"ce": placeholder(float), "tv": placeholder(float), "confidence": placeholder(float)},
             "gamma": 4.0,  # position decay of the loss weights

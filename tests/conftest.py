@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -78,6 +80,35 @@ def tiny_hf_dir(request, tmp_path):
     path = tmp_path / request.param
     model.save_pretrained(path)
     return request.param, model, str(path)
+
+
+COMPILE_CACHE = "JAX_COMPILATION_CACHE_DIR"
+
+
+def pytest_configure(config):
+    """One persistent XLA compilation cache for the whole run, in a fresh directory: the test processes
+    (pytest-xdist workers inherit it from the controller) and the command lines they start load a program
+    compiled once instead of compiling it again (after `free_compiled_programs`, in another worker, or in a
+    subprocess). Multi-process jobs must not use it (see `tests/test_train_main.py`). A directory set in the
+    environment by the caller is used as is and kept."""
+    if not hasattr(config, "workerinput") and COMPILE_CACHE not in os.environ:
+        config.hspec_owned_cache = os.environ[COMPILE_CACHE] = tempfile.mkdtemp(prefix="hspec-test-xla-")
+    jax.config.update("jax_compilation_cache_dir", os.environ[COMPILE_CACHE])
+
+
+def pytest_collection_modifyitems(config, items):
+    """With pytest-xdist's `--dist loadgroup` (`make test`) a worker takes whole test files, so module fixtures
+    are built once; the tests marked `xdist_group("processes")` (many simulated devices or several
+    processes, each using every core) run one after another on one worker, never two at once."""
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(os.path.basename(item.fspath)))
+
+
+def pytest_unconfigure(config):
+    owned = getattr(config, "hspec_owned_cache", None)
+    if owned:
+        shutil.rmtree(owned, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -49,6 +49,7 @@ def test_fsdp_shards_the_batch_and_the_largest_free_dimension():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("processes")
 def test_sharded_decoding_equals_one_device():
     script = os.path.join(os.path.dirname(__file__), "sharded_run.py")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("processes")
 def test_sharded_training_equals_one_device():
     script = os.path.join(ROOT, "tests", "train_sharded_run.py")
     proc = subprocess.run([sys.executable, script], capture_output=True, text=True, cwd=ROOT, timeout=1200)

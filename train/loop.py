@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from hspec_jax import parallel
-from hspec_jax.checkpoints.drafter_io import save_drafter
+from hspec_jax.checkpoints.drafter_io import config_to_dict, restore_drafter, save_drafter
 from hspec_jax.decoding import chat_prompt_ids, pad_batch
 from hspec_jax.decoding.speculative import speculative_generate
 from hspec_jax.drafters import init_drafter, init_from_target
@@ -57,12 +57,26 @@ class Run:
     iterator: object
     held_out: list  # token ids of the held-out prompts (real tau)
     data_report: dict
+    init_params: dict | None = None  # the starting weights of a fine-tuning run (`train.init_from`)
 
 
-def draft_vocabulary(workdir: str, loaded, tokenizer, target, drafter: DrafterConfig):
-    """(draft vocabulary, supervised token counts `[V]`): read from the work directory on resume, else built
-    from the supervised tokens of the training data (top `draft_vocab_size` by frequency, EOS always kept)
-    and written there by process 0 (every process computes the same)."""
+def warm_start(spec: str, drafter: DrafterConfig) -> tuple[dict, DraftVocab]:
+    """(params, draft vocabulary) of the drafter `spec` (directory or shipped name) that a fine-tuning run
+    starts from; its config must be the recipe's drafter (dtypes aside), else an error naming the fields."""
+    config, params, vocab = restore_drafter(spec, drafter.target)
+    ours, theirs = config_to_dict(drafter)["fields"], config_to_dict(config)["fields"]
+    differ = sorted(k for k in ours if k not in ("dtype", "param_dtype") and ours[k] != theirs[k])
+    if config.family is not drafter.family or differ:
+        fields = ", ".join(f"{k}={theirs[k]!r} (recipe: {ours[k]!r})" for k in differ) or "the drafter kind"
+        raise ValueError(f"train.init_from={spec!r} does not match the recipe's drafter: {fields}")
+    return jax.tree.map(lambda x: x.astype(drafter.param_dtype), params), vocab
+
+
+def draft_vocabulary(workdir: str, loaded, tokenizer, target, drafter: DrafterConfig, given: DraftVocab | None = None):
+    """(draft vocabulary, supervised token counts `[V]`): read from the work directory on resume, else `given`
+    (a fine-tuning run keeps its starting drafter's) or built from the supervised tokens of the training data
+    (top `draft_vocab_size` by frequency, EOS always kept), and written there by process 0 (every process
+    computes the same)."""
     path = os.path.join(workdir, "vocab.npz")
     if os.path.exists(path):
         with np.load(path) as stored:
@@ -73,7 +87,7 @@ def draft_vocabulary(workdir: str, loaded, tokenizer, target, drafter: DrafterCo
                 )
             return vocab_from_ids(stored["d2t"], target.vocab_size), stored["supervised_counts"]
     counts = supervised_token_counts(loaded, tokenizer, target.vocab_size)
-    vocab = draft_vocab_from_counts(counts, drafter.vocab_size, always=target.eos_token_ids)
+    vocab = given or draft_vocab_from_counts(counts, drafter.vocab_size, always=target.eos_token_ids)
     if jax.process_index() == 0:
         partial = path + ".partial.npz"
         np.savez(partial, d2t=np.asarray(vocab.d2t), t2d=np.asarray(vocab.t2d), supervised_counts=counts)
@@ -131,7 +145,8 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
     loaded = load_mixture(config.data.sources, None if config.data.exclude_eval_prompts else [])
     loaded, held_out_conversations = split_held_out(loaded, config.data.held_out_prompts)
     held_out = [chat_prompt_ids(tokenizer, user_texts(c.messages)[0]) for c in held_out_conversations]
-    vocab, supervised = draft_vocabulary(workdir, loaded, tokenizer, target, drafter)
+    init_params, given_vocab = warm_start(config.train.init_from, drafter) if config.train.init_from else (None, None)
+    vocab, supervised = draft_vocabulary(workdir, loaded, tokenizer, target, drafter, given_vocab)
     iterator = make_train_iterator(
         loaded,
         tokenizer,
@@ -158,14 +173,20 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
         "held_out": [c.id for c in held_out_conversations],
         "supervised_tokens": int(supervised.sum()),
         "draft_vocab_coverage": float(supervised[np.asarray(vocab.d2t)].sum() / max(supervised.sum(), 1)),
+        "init_from": config.train.init_from,
     }
-    return Run(config, workdir, target, target_params, tokenizer, drafter, vocab, mesh, iterator, held_out, report)
+    return Run(
+        config, workdir, target, target_params, tokenizer, drafter, vocab, mesh, iterator, held_out, report, init_params
+    )
 
 
 def initial_state(run: Run, optimizer) -> TrainState:
-    """A fresh train state, placed on the mesh: drafter params (and so the optimiser state) sharded over fsdp."""
+    """A fresh train state, placed on the mesh: drafter params (and so the optimiser state) sharded over fsdp.
+    The params are the starting drafter's in a fine-tuning run, else initialised (embeddings from the target)."""
     key = jax.random.key(run.config.train.seed)
-    params = init_from_target(init_drafter(run.drafter, key), run.drafter, run.target_params, run.vocab)
+    params = run.init_params
+    if params is None:
+        params = init_from_target(init_drafter(run.drafter, key), run.drafter, run.target_params, run.vocab)
     params = parallel.shard_params(params, run.mesh, run.target.head_dim, fsdp=True)
     opt_state = jax.jit(optimizer.init)(params)
     return TrainState(jnp.int32(0), params, opt_state, jax.random.key_data(jax.random.key(run.config.train.seed)))

@@ -7,6 +7,8 @@ Any recipe field can be overridden with `--config.<section>.<field>=value`; an u
 The target comes from `config.target.path` (HF dir, .gguf, Orbax dir, `smollm2`, or `tiny`: the random
 tiny target with a character tokenizer). Running again with the same `--workdir` resumes exactly from the
 latest checkpoint (parameters, optimiser state, step, rng and the data iterator's position).
+`--config.train.init_from=DRAFTER` (a drafter directory or shipped name such as `smollm2-hspec`) fine-tunes
+that drafter: the run starts from its weights and keeps its draft vocabulary, with a fresh optimiser.
 
 The work directory holds:
     checkpoints/      Orbax CheckpointManager: train state + data iterator state, the last N kept
