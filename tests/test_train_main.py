@@ -84,13 +84,23 @@ def losses(workdir):
     return [r["loss"] for r in rows]
 
 
+STEPS = ["--config.train.num_steps=9", "--config.train.checkpoint_every=3"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """(data file, work directory, printed result) of one uninterrupted 9-step run, the reference of the
+    resume and multi-process tests."""
+    root = tmp_path_factory.mktemp("train_main")
+    data = write_conversations(root / "chat.jsonl")
+    return data, root / "straight", run_ok(command(root / "straight", data, *STEPS, "--config.train.eval_every=9"))
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("processes")
-def test_trains_exports_and_resumes_exactly_after_kill(tmp_path):
-    data = write_conversations(tmp_path / "chat.jsonl")
-    steps = ["--config.train.num_steps=9", "--config.train.checkpoint_every=3", "--config.train.eval_every=9"]
-    straight = tmp_path / "straight"
-    result = run_ok(command(straight, data, *steps))
+def test_trains_exports_and_resumes_exactly_after_kill(straight, tmp_path):
+    data, straight, result = straight
+    steps = [*STEPS, "--config.train.eval_every=9"]
     assert result["resumed_from"] == 0 and result["tau"] >= 1.0 and "accept_1" in result
     reference = losses(straight)
     assert len(reference) == 9 and reference[-1] < reference[0]
@@ -134,11 +144,9 @@ def free_port():
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("processes")
-def test_two_processes_train_like_one(tmp_path):
-    data = write_conversations(tmp_path / "chat.jsonl")
-    steps = ["--config.train.num_steps=3", "--config.train.eval_every=0", "--config.data.held_out_prompts=0"]
-    single = tmp_path / "single"
-    run_ok(command(single, data, *steps))
+def test_two_processes_train_like_one(straight, tmp_path):
+    data, single, _ = straight
+    steps = [*STEPS, "--config.train.eval_every=0"]  # the real-tau check comes after the loss it would not change
     port = free_port()
     # Without the tests' compilation cache: a collective program loaded from it by the second process
     # disagrees with the first's (jax 0.10.2 on CPU: "sync_global_devices name mismatch").
