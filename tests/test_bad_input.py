@@ -341,13 +341,18 @@ def test_staging_left_by_a_killed_run_is_removed_by_the_next(tmp_path):
 # --- Ctrl-C ---
 
 
-def start_generate(tiny_dir, *args, stderr=subprocess.PIPE):
+def start_generate(tiny_dir, *args, stderr=subprocess.PIPE, compile_cache=True):
+    """`eval.generate` on the tiny target; `compile_cache=False` keeps it away from the test run's compilation
+    cache, so that it really compiles (a program loaded from the cache leaves no time to interrupt)."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    if not compile_cache:
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
     return subprocess.Popen(
         [sys.executable, "-m", "eval.generate", "--target", tiny_dir, "--prompt", "w1 w2", *args],
         stdout=subprocess.PIPE,
         stderr=stderr,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT},
+        env=env,
     )
 
 
@@ -368,7 +373,7 @@ def test_ctrl_c_while_loading_or_compiling_exits_130_at_once(tiny_dir):
     import pty
 
     reader, writer = pty.openpty()  # progress lines go to a terminal only
-    proc = start_generate(tiny_dir, stderr=writer)
+    proc = start_generate(tiny_dir, stderr=writer, compile_cache=False)
     os.close(writer)
     seen = b""
     while b"compiling" not in seen:
