@@ -99,6 +99,11 @@ def pytest_configure(config):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
+def without_compile_cache(env: dict) -> dict:
+    """`env` minus the run's compilation cache, for a command line that must compile for itself."""
+    return {k: v for k, v in env.items() if k != COMPILE_CACHE}
+
+
 def pytest_collection_modifyitems(config, items):
     """With pytest-xdist's `--dist loadgroup` (`make test`) a worker takes whole test files, so module fixtures
     are built once; the tests marked `xdist_group("processes")` (many simulated devices or several

@@ -19,6 +19,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from conftest import without_compile_cache
 
 from eval import generate, memory, params
 from hspec_jax import cli
@@ -346,7 +347,7 @@ def start_generate(tiny_dir, *args, stderr=subprocess.PIPE, compile_cache=True):
     cache, so that it really compiles (a program loaded from the cache leaves no time to interrupt)."""
     env = {**os.environ, "PYTHONPATH": ROOT}
     if not compile_cache:
-        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        env = without_compile_cache(env)
     return subprocess.Popen(
         [sys.executable, "-m", "eval.generate", "--target", tiny_dir, "--prompt", "w1 w2", *args],
         stdout=subprocess.PIPE,

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import without_compile_cache
 
 from hspec_jax.checkpoints.drafter_io import save_drafter
 from hspec_jax.drafters import init_drafter
@@ -150,7 +151,7 @@ def test_two_processes_train_like_one(straight, tmp_path):
     port = free_port()
     # Without the tests' compilation cache: a collective program loaded from it by the second process
     # disagrees with the first's (jax 0.10.2 on CPU: "sync_global_devices name mismatch").
-    env = {k: v for k, v in ENV.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env = without_compile_cache(ENV)
     procs = [
         start(
             command(

@@ -87,7 +87,9 @@ def draft_vocabulary(workdir: str, loaded, tokenizer, target, drafter: DrafterCo
                 )
             return vocab_from_ids(stored["d2t"], target.vocab_size), stored["supervised_counts"]
     counts = supervised_token_counts(loaded, tokenizer, target.vocab_size)
-    vocab = given or draft_vocab_from_counts(counts, drafter.vocab_size, always=target.eos_token_ids)
+    vocab = given
+    if vocab is None:
+        vocab = draft_vocab_from_counts(counts, drafter.vocab_size, always=target.eos_token_ids)
     if jax.process_index() == 0:
         partial = path + ".partial.npz"
         np.savez(partial, d2t=np.asarray(vocab.d2t), t2d=np.asarray(vocab.t2d), supervised_counts=counts)
