@@ -24,11 +24,19 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from hspec_jax import parallel
-from hspec_jax.checkpoints.drafter_io import config_to_dict, restore_drafter, save_drafter
+from hspec_jax.checkpoints.drafter_io import (
+    VOCAB,
+    config_to_dict,
+    read_drafter_config,
+    read_vocab,
+    resolve_drafter,
+    restore_drafter,
+    save_drafter,
+)
 from hspec_jax.decoding import chat_prompt_ids, pad_batch
 from hspec_jax.decoding.speculative import speculative_generate
 from hspec_jax.drafters import init_drafter, init_from_target
-from hspec_jax.drafters.config import DrafterConfig
+from hspec_jax.drafters.config import DrafterConfig, check_target
 from hspec_jax.drafters.vocab import DraftVocab, draft_vocab_from_counts, vocab_from_ids
 from hspec_jax.recipes import drafter_from_recipe
 from train.chat import user_texts
@@ -57,19 +65,36 @@ class Run:
     iterator: object
     held_out: list  # token ids of the held-out prompts (real tau)
     data_report: dict
-    init_params: dict | None = None  # the starting weights of a fine-tuning run (`train.init_from`)
 
 
-def warm_start(spec: str, drafter: DrafterConfig) -> tuple[dict, DraftVocab]:
-    """(params, draft vocabulary) of the drafter `spec` (directory or shipped name) that a fine-tuning run
-    starts from; its config must be the recipe's drafter (dtypes aside), else an error naming the fields."""
-    config, params, vocab = restore_drafter(spec, drafter.target)
+def warm_start_config(spec: str, drafter: DrafterConfig) -> DrafterConfig:
+    """The config of the drafter `spec` (directory or shipped name) that a fine-tuning run starts from, read
+    without its weights; it must be the recipe's drafter (dtypes aside), else an error naming the fields."""
+    config = read_drafter_config(spec)
+    try:
+        check_target(config, drafter.target)
+    except ValueError as e:
+        raise ValueError(f"train.init_from={spec!r}: {e}") from None
+    config = config.replace(target=drafter.target)
     ours, theirs = config_to_dict(drafter)["fields"], config_to_dict(config)["fields"]
     differ = sorted(k for k in ours if k not in ("dtype", "param_dtype") and ours[k] != theirs[k])
     if config.family is not drafter.family or differ:
         fields = ", ".join(f"{k}={theirs[k]!r} (recipe: {ours[k]!r})" for k in differ) or "the drafter kind"
         raise ValueError(f"train.init_from={spec!r} does not match the recipe's drafter: {fields}")
-    return jax.tree.map(lambda x: x.astype(drafter.param_dtype), params), vocab
+    return config
+
+
+def warm_start_vocab(spec: str, drafter: DrafterConfig) -> DraftVocab:
+    """The draft vocabulary of the starting drafter `spec`, which a fine-tuning run keeps (weights not read)."""
+    config = warm_start_config(spec, drafter)
+    return read_vocab(os.path.join(resolve_drafter(spec), VOCAB), config)
+
+
+def warm_start_params(spec: str, drafter: DrafterConfig) -> dict:
+    """The weights of the starting drafter `spec`, in the recipe's parameter dtype (read once, by a fresh run)."""
+    warm_start_config(spec, drafter)
+    _, params, _ = restore_drafter(spec, drafter.target)
+    return jax.tree.map(lambda x: x.astype(drafter.param_dtype), params)
 
 
 def draft_vocabulary(workdir: str, loaded, tokenizer, target, drafter: DrafterConfig, given: DraftVocab | None = None):
@@ -147,7 +172,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
     loaded = load_mixture(config.data.sources, None if config.data.exclude_eval_prompts else [])
     loaded, held_out_conversations = split_held_out(loaded, config.data.held_out_prompts)
     held_out = [chat_prompt_ids(tokenizer, user_texts(c.messages)[0]) for c in held_out_conversations]
-    init_params, given_vocab = warm_start(config.train.init_from, drafter) if config.train.init_from else (None, None)
+    given_vocab = warm_start_vocab(config.train.init_from, drafter) if config.train.init_from else None
     vocab, supervised = draft_vocabulary(workdir, loaded, tokenizer, target, drafter, given_vocab)
     iterator = make_train_iterator(
         loaded,
@@ -177,17 +202,18 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
         "draft_vocab_coverage": float(supervised[np.asarray(vocab.d2t)].sum() / max(supervised.sum(), 1)),
         "init_from": config.train.init_from,
     }
-    return Run(
-        config, workdir, target, target_params, tokenizer, drafter, vocab, mesh, iterator, held_out, report, init_params
-    )
+    return Run(config, workdir, target, target_params, tokenizer, drafter, vocab, mesh, iterator, held_out, report)
 
 
-def initial_state(run: Run, optimizer) -> TrainState:
+def initial_state(run: Run, optimizer, resuming: bool) -> TrainState:
     """A fresh train state, placed on the mesh: drafter params (and so the optimiser state) sharded over fsdp.
-    The params are the starting drafter's in a fine-tuning run, else initialised (embeddings from the target)."""
+    The params are the starting drafter's in a fine-tuning run (`train.init_from`), else initialised (embeddings
+    from the target); a resuming run only needs the state's shapes and placement (the checkpoint replaces the
+    values), so it never reads the starting drafter's weights."""
     key = jax.random.key(run.config.train.seed)
-    params = run.init_params
-    if params is None:
+    if run.config.train.init_from and not resuming:
+        params = warm_start_params(run.config.train.init_from, run.drafter)
+    else:
         params = init_from_target(init_drafter(run.drafter, key), run.drafter, run.target_params, run.vocab)
     params = parallel.shard_params(params, run.mesh, run.target.head_dim, fsdp=True)
     opt_state = jax.jit(optimizer.init)(params)
@@ -343,9 +369,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     tc = config.train
     abstract_params = jax.eval_shape(lambda: init_drafter(run.drafter, jax.random.key(0)))
     optimizer, schedule = make_optimizer(tc, abstract_params, run.drafter)
-    state = initial_state(run, optimizer)
     manager = checkpoint_manager(workdir, tc.keep_checkpoints)
     start = manager.latest_step() or 0
+    state = initial_state(run, optimizer, resuming=bool(start))
     if start:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         restored = manager.restore(
