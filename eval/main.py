@@ -43,6 +43,7 @@ from tqdm import tqdm
 from eval.chat import ChatEncoder
 from eval.generate import (
     DEFAULT_RECIPES,
+    MAX_K,
     compile_autoregressive,
     compile_speculative,
     drafter_config,
@@ -64,6 +65,17 @@ DEFAULT_COMPILE_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hspec_j
 RANDOM_TARGET_SCALE = 4.0  # random targets: 2-D weights x4, so greedy argmaxes are far from ties
 
 
+def parse_ks(text: str) -> tuple[int, ...]:
+    """`--k 2,3,7` -> (2, 3, 7): distinct draft lengths in 1..MAX_K."""
+    try:
+        ks = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--k takes comma-separated integers, got {text!r}") from None
+    if not all(1 <= k <= MAX_K for k in ks) or len(set(ks)) != len(ks):
+        raise argparse.ArgumentTypeError(f"--k takes distinct integers in 1..{MAX_K}, got {text!r}")
+    return ks
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m eval.main", description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -71,6 +83,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--drafter", action="append", default=[], help="checkpoint dir or random:<kind>; repeatable")
     parser.add_argument("--recipe", default=None, help="recipe for random:<kind> drafters (default: the target's)")
+    parser.add_argument(
+        "--k",
+        type=parse_ks,
+        default=None,
+        help=f"drafted tokens per step, comma-separated (e.g. 2,3,7): every drafter runs at each, 1..{MAX_K} "
+        "(default: each drafter's own)",
+    )
     parser.add_argument("--tasks", default="all", help="all, or a comma-separated list such as math,code")
     parser.add_argument("--num-prompts", type=int, default=None, help="prompts per task, spread evenly (default all)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per turn (default 64)")
@@ -121,15 +140,23 @@ class Method(NamedTuple):
     lookahead: int  # cache rows a step needs beyond the committed ones (k + 1; 0 for plain decoding)
 
 
-def load_methods(target: Target, target_spec: str, drafters: list[str], prompt_ids: list[list[int]]) -> list[Method]:
+def load_methods(
+    target: Target, target_spec: str, drafters: list[str], prompt_ids: list[list[int]], ks: tuple[int, ...] | None
+) -> list[Method]:
     """Plain decoding, then one method per drafter spec (a checkpoint directory or random:<kind>; a random drafter's
-    vocabulary comes from `prompt_ids`)."""
+    vocabulary comes from `prompt_ids`) and per draft length in `ks` (named `SPEC k=K`; None: the drafter's own k,
+    named `SPEC`). A shorter k drafts a shorter block with the same weights: the H-Spec kinds, causal inside the
+    block, propose the same first k tokens as with their full block; DFlash and DSpark, bidirectional, propose
+    other (still verified) ones."""
     methods = [Method(PLAIN, None, 0)]
     for spec in drafters:
         request = argparse.Namespace(drafter=spec, recipe=target.recipe, target=target_spec, k=None)
         config = drafter_config(request, target.config)
-        drafter = (config, *load_drafter(spec, config, target.params, prompt_ids))
-        methods.append(Method(spec, drafter, config.num_drafts + 1))
+        params, vocab = load_drafter(spec, config, target.params, prompt_ids)
+        for k in ks or (None,):
+            sized = config if k is None else config.with_drafts(k)
+            name = spec if k is None else f"{spec} k={k}"
+            methods.append(Method(name, (sized, params, vocab), sized.num_drafts + 1))
     return methods
 
 
@@ -305,10 +332,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--batch-size and --max-new-tokens must be >= 1")
         if len(set(args.drafter)) != len(args.drafter):
             raise ValueError("each --drafter may be given once")
+        if args.k and not args.drafter:
+            raise ValueError("--k sets the drafted tokens per step: it needs --drafter")
         prompts = load_prompts(parse_tasks(args.tasks), args.num_prompts)
         target = load_eval_target(args.target, args.recipe, args.seed)
         first_turns = [target.encoder.encode(p, []) for p in prompts]
-        methods = load_methods(target, args.target, args.drafter, first_turns)
+        methods = load_methods(target, args.target, args.drafter, first_turns, args.k)
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -74,6 +74,18 @@ def run(config, params, setup, *, cache=None, hidden=None, anchor_tokens=(5, 9))
 
 
 @pytest.mark.parametrize("kind", DRAFTER_KINDS)
+def test_a_shorter_block_drafts_the_same_first_tokens_when_causal(kind, setup):
+    """`with_drafts(2)` runs the same weights on a 3-slot block: the H-Spec kinds (causal inside the block) give
+    the first slots' logits of the full block exactly; the bidirectional DFlash family sees fewer masks."""
+    config, params = make_drafter(kind, setup)
+    full, short = run(config, params, setup), run(config.with_drafts(2), params, setup)
+    slots = short.logits.shape[1]
+    assert slots == 3 - config.sample_from_anchor
+    same = np.array_equal(np.asarray(full.logits[:, :slots]), np.asarray(short.logits))
+    assert same == kind.startswith("hspec")
+
+
+@pytest.mark.parametrize("kind", DRAFTER_KINDS)
 def test_every_kind_drafts_a_block(kind, setup):
     config, params = make_drafter(kind, setup)
     out = run(config, params, setup)

@@ -170,6 +170,21 @@ def test_eval_main_end_to_end_on_the_tiny_random_target(tmp_path):
     assert eval_report.main([str(out)]) == 0 and (out / "report.md").read_text() == text
 
 
+def test_eval_main_runs_each_drafter_at_each_k(tmp_path):
+    """`--k 2,7`: one method per drafter and draft length, named `SPEC k=K`, each lossless and verifying K drafts."""
+    out = tmp_path / "eval"
+    argv = ["--target", "random:tiny", "--drafter", "random:hspec", "--k", "2,7", "--tasks", "math"]
+    argv += ["--num-prompts", "1", "--max-new-tokens", "4", "--prompt-width", "1024", "--cache-length", "1040"]
+    argv += ["--bootstrap-resamples", "10", "--compile-cache", "", "--out", str(out)]
+    assert eval_main.main(argv) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {r["method"] for r in rows} == {"plain", "random:hspec k=2", "random:hspec k=7"}
+    for r in rows:
+        if r["method"] != "plain":
+            assert r["identical"] and len(r["reached_at"]) == int(r["method"][-1])
+    assert "| random:hspec k=2 | 2 |" in (out / "report.md").read_text()
+
+
 def test_a_greedy_mismatch_names_the_prompt():
     prompt = load_prompts("code", 1)[0]
     method = eval_main.Method("random:hspec", None, 8)
@@ -184,3 +199,8 @@ def test_eval_main_rejects_bad_arguments(tmp_path, capsys):
     assert "unknown drafter kind" in capsys.readouterr().err
     assert eval_main.main(["--tasks", "poetry", "--out", str(tmp_path)]) == 1
     assert "unknown task" in capsys.readouterr().err
+    assert eval_main.main(["--k", "3", "--out", str(tmp_path)]) == 1
+    assert "--k sets the drafted tokens per step: it needs --drafter" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        eval_main.main(["--drafter", "random:hspec", "--k", "3,3", "--out", str(tmp_path)])
+    assert "--k takes distinct integers in 1..15, got '3,3'" in capsys.readouterr().err
