@@ -239,7 +239,7 @@ def load_drafter(spec: str, config, target_params, prompt_ids) -> tuple[dict, ob
         stream = np.concatenate(prompt_ids)
         vocab = build_draft_vocab(stream, target.vocab_size, config.vocab_size, always=target.eos_token_ids)
         return init_from_target(init_drafter(config, jax.random.key(0)), config, target_params, vocab), vocab
-    _, params, vocab = restore_drafter(spec, config.target)
+    _, params, vocab = restore_drafter(spec, config.target, target_params)
     return params, vocab
 
 

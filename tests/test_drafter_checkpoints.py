@@ -8,9 +8,17 @@ import numpy as np
 import pytest
 
 from hspec_jax.checkpoints import CheckpointError
-from hspec_jax.checkpoints.drafter_io import resolve_drafter, restore_drafter, save_drafter, trained_drafters
-from hspec_jax.drafters import DRAFTER_KINDS, init_drafter
+from hspec_jax.checkpoints.drafter_io import (
+    read_drafter_config,
+    resolve_drafter,
+    restore_drafter,
+    save_drafter,
+    target_lm_head,
+    trained_drafters,
+)
+from hspec_jax.drafters import DRAFTER_KINDS, init_drafter, init_from_target
 from hspec_jax.drafters.vocab import build_draft_vocab
+from hspec_jax.models import init_params
 from hspec_jax.recipes import drafter_from_recipe, load_config, target_config
 
 RECIPE = load_config("configs/tiny.py")
@@ -73,11 +81,38 @@ def test_bf16_storage_and_strict_tensors(tmp_path):
         restore_drafter(str(tmp_path / "d"))
 
 
-def test_shipped_drafters_load_by_name():
+def test_an_lm_head_equal_to_the_targets_rows_is_not_stored(tmp_path):
+    import safetensors.numpy
+
+    target_params = init_params(TARGET, jax.random.key(0))
+    config = drafter_from_recipe(RECIPE, "hspec", TARGET)
+    vocab = build_draft_vocab(np.arange(50), TARGET.vocab_size, config.vocab_size)
+    params = init_from_target(init_drafter(config, jax.random.key(1)), config, target_params, vocab)
+    rows = target_lm_head(target_params, config, vocab)
+    save_drafter(str(tmp_path / "d"), params, config, vocab, target_rows=rows)
+    stored = safetensors.numpy.load_file(str(tmp_path / "d" / "model.safetensors"))
+    assert "lm_head" not in stored and len(stored) == len(jax.tree.leaves(params)) - 1
+    assert json.loads((tmp_path / "d" / "hspec_drafter.json").read_text())["from_target"] == ["lm_head"]
+    with pytest.raises(CheckpointError, match="lm_head is the target's rows \\(not stored\\): load it with"):
+        restore_drafter(str(tmp_path / "d"), TARGET)
+    _, restored, _ = restore_drafter(str(tmp_path / "d"), TARGET, target_params)
+    jax.tree.map(np.testing.assert_array_equal, restored, params)
+    # A trained (different) lm_head is kept in the file.
+    save_drafter(str(tmp_path / "e"), {**params, "lm_head": params["lm_head"] + 1}, config, vocab, target_rows=rows)
+    assert "lm_head" in safetensors.numpy.load_file(str(tmp_path / "e" / "model.safetensors"))
+    assert "from_target" not in json.loads((tmp_path / "e" / "hspec_drafter.json").read_text())
+    _, restored, _ = restore_drafter(str(tmp_path / "e"), TARGET, target_params)
+    np.testing.assert_array_equal(restored["lm_head"], params["lm_head"] + 1)
+
+
+@pytest.mark.slow
+def test_shipped_drafters_load_by_name(smollm2):
+    target, target_params = smollm2
     names = trained_drafters()
     assert "smollm2-hspec" in names
     for name in names:
-        config, _, _ = restore_drafter(name)
         assert resolve_drafter(name).endswith(f"trained/{name}")
-        assert config.target.hidden_size == 576  # every shipped drafter drafts for the embedded SmolLM2
+        assert read_drafter_config(name).target.hidden_size == 576  # every shipped drafter drafts for SmolLM2
+        config, params, vocab = restore_drafter(name, target, target_params)
+        assert np.array_equal(params["lm_head"], target_lm_head(target_params, config, vocab).astype(np.float32))
     assert resolve_drafter("some/dir") == "some/dir"

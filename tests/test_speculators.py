@@ -611,9 +611,10 @@ def test_convert_cli_both_directions(tmp_path, capsys):
 @pytest.mark.slow
 def test_smollm2_drafter_exports_and_reimports(smollm2, tmp_path):
     """The shipped SmolLM2 H-Spec drafter goes to speculators and back bit-identically (its bf16 values, held in
-    fp32); the recipe's explicit fusion rank (= hidden size) and parameter dtype come back as the defaults."""
+    fp32, and the target's lm_head rows); the recipe's explicit fusion rank (= hidden size) and parameter dtype come
+    back as the defaults."""
     target, target_params = smollm2
-    config, params, vocab = restore_drafter("smollm2-hspec", target)
+    config, params, vocab = restore_drafter("smollm2-hspec", target, target_params)
     export_speculators(tmp_path, params, config, vocab, target_params, verifier="HuggingFaceTB/SmolLM2-135M-Instruct")
     back, back_params, back_vocab = import_speculators(str(tmp_path), target, target_params, window_mode="block")
     assert back.latent_size == config.latent_size == target.hidden_size

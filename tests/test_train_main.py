@@ -19,6 +19,7 @@ from conftest import without_compile_cache
 from hspec_jax.checkpoints.drafter_io import save_drafter
 from hspec_jax.drafters import init_drafter
 from hspec_jax.drafters.vocab import vocab_from_ids
+from hspec_jax.models import init_params
 from hspec_jax.recipes import drafter_from_recipe, load_config
 from train.loop import lock_workdir, warm_start_params, warm_start_vocab
 
@@ -208,12 +209,17 @@ def test_fine_tuning_a_drafter_of_another_recipe_is_an_error_naming_the_field(tm
     params = init_drafter(drafter, jax.random.key(0))
     vocab = vocab_from_ids(np.arange(drafter.vocab_size), drafter.target.vocab_size)
     save_drafter(str(tmp_path / "d"), params, drafter, vocab)
-    loaded = warm_start_params(str(tmp_path / "d"), drafter.replace(param_dtype=jnp.float32))
+    target_params = init_params(drafter.target, jax.random.key(1))
+    loaded = warm_start_params(str(tmp_path / "d"), drafter.replace(param_dtype=jnp.float32), target_params)
     np.testing.assert_array_equal(warm_start_vocab(str(tmp_path / "d"), drafter).d2t, vocab.d2t)
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), loaded, params))
-    for load in (warm_start_vocab, warm_start_params):
+    other = drafter.replace(markov_rank=4)
+    for load in (
+        lambda: warm_start_vocab(str(tmp_path / "d"), other),
+        lambda: warm_start_params(str(tmp_path / "d"), other, target_params),
+    ):
         with pytest.raises(ValueError, match=r"does not match the recipe's drafter: markov_rank=16 \(recipe: 4\)"):
-            load(str(tmp_path / "d"), drafter.replace(markov_rank=4))
+            load()
 
 
 def test_a_second_job_on_the_same_workdir_is_refused(tmp_path):

@@ -32,6 +32,7 @@ from hspec_jax.checkpoints.drafter_io import (
     resolve_drafter,
     restore_drafter,
     save_drafter,
+    target_lm_head,
 )
 from hspec_jax.decoding import chat_prompt_ids, pad_batch
 from hspec_jax.decoding.speculative import speculative_generate
@@ -90,10 +91,10 @@ def warm_start_vocab(spec: str, drafter: DrafterConfig) -> DraftVocab:
     return read_vocab(os.path.join(resolve_drafter(spec), VOCAB), config)
 
 
-def warm_start_params(spec: str, drafter: DrafterConfig) -> dict:
+def warm_start_params(spec: str, drafter: DrafterConfig, target_params: dict) -> dict:
     """The weights of the starting drafter `spec`, in the recipe's parameter dtype (read once, by a fresh run)."""
     warm_start_config(spec, drafter)
-    _, params, _ = restore_drafter(spec, drafter.target)
+    _, params, _ = restore_drafter(spec, drafter.target, target_params)
     return jax.tree.map(lambda x: x.astype(drafter.param_dtype), params)
 
 
@@ -212,7 +213,7 @@ def initial_state(run: Run, optimizer, resuming: bool) -> TrainState:
     values), so it never reads the starting drafter's weights."""
     key = jax.random.key(run.config.train.seed)
     if run.config.train.init_from and not resuming:
-        params = warm_start_params(run.config.train.init_from, run.drafter)
+        params = warm_start_params(run.config.train.init_from, run.drafter, run.target_params)
     else:
         params = init_from_target(init_drafter(run.drafter, key), run.drafter, run.target_params, run.vocab)
     params = parallel.shard_params(params, run.mesh, run.target.head_dim, fsdp=True)
@@ -262,13 +263,14 @@ def export_drafter(run: Run, params: dict, step: int, metrics: dict) -> None:
     """Write `workdir/drafter` (replacing the previous export only once the new one is complete), with
     `training.json` beside the weights: the step, the recipe, the data record and the last logged metrics."""
     params = host_params(params)
+    rows = host_params(target_lm_head(run.target_params, run.drafter, run.vocab))  # lm_head left out if equal
     if jax.process_index() != 0:
         return
     final = os.path.join(run.workdir, "drafter")
     fresh, old = final + ".new", final + ".old"
     for leftover in (fresh, old):
         shutil.rmtree(leftover, ignore_errors=True)
-    save_drafter(fresh, params, run.drafter, run.vocab)
+    save_drafter(fresh, params, run.drafter, run.vocab, target_rows=rows)
     record = {"step": step, "recipe": run.config.to_dict(), "data": run.data_report, "metrics": metrics}
     with open(os.path.join(fresh, "training.json"), "w") as f:
         json.dump(record, f, indent=2, default=str)

@@ -17,7 +17,7 @@ import sys
 
 import jax
 
-from hspec_jax.checkpoints.drafter_io import read_drafter_config, restore_drafter, save_drafter
+from hspec_jax.checkpoints.drafter_io import read_drafter_config, restore_drafter, save_drafter, target_lm_head
 from hspec_jax.checkpoints.hf import CheckpointError, check_output_directory, export_hf_target
 from hspec_jax.checkpoints.orbax_io import save_target
 from hspec_jax.checkpoints.sources import load_target, load_tokenizer, read_target_config
@@ -88,8 +88,8 @@ def export_drafter(f) -> int:
     shapes = jax.eval_shape(lambda: init_drafter(config, jax.random.key(0)))
     embed = target.vocab_size * target.hidden_size * 4 if target else 0
     check_output_directory(f.to, needed_bytes=embed + sum(x.size * 4 for x in jax.tree.leaves(shapes)))
-    config, params, vocab = restore_drafter(f.source)
     target_params = load_target(f.target)[1] if f.target else None
+    config, params, vocab = restore_drafter(f.source, target_params=target_params)
     if target_params is None:
         print("warning: no --target: embed_tokens is left out (the verifier's table is used)", file=sys.stderr)
     verifier = f.verifier or f.target
@@ -105,7 +105,7 @@ def import_drafter(f) -> int:
     speculators_drafter_config(spec, read_target_config(f.target), window_mode=f.window_mode, path=directory)
     target, target_params = load_target(f.target)
     config, params, vocab = import_speculators(f.source, target, target_params, window_mode=f.window_mode)
-    save_drafter(f.to, params, config, vocab)
+    save_drafter(f.to, params, config, vocab, target_rows=target_lm_head(target_params, config, vocab))
     print(f"wrote {config.kind} drafter ({spec['speculators_model_type']}) for {target.model_type} to {f.to}")
     return 0
 

@@ -5,6 +5,11 @@
                              (e.g. `layers_0.ssm.A_log`), in the dtype chosen at save time (bf16 to ship)
     DIR/vocab.npz            d2t [Vd] (target id of each draft id) and t2d [V]
 
+A drafter's `lm_head` is (frozen) the target's lm_head rows of the draft tokens. Saved with those rows at hand,
+a checkpoint whose `lm_head` equals them (in the stored dtype) leaves it out and says so in the manifest
+(`"from_target": ["lm_head"]`); restoring it then needs the target's params, from which the rows are taken again.
+For SmolLM2 that is 9.4 M of the H-Spec drafter's 33.4 M parameters.
+
 Restoring rebuilds the config, checks every stored tensor against the config's shapes (strict: none missing,
 none unknown), casts to the config's parameter dtype, and `check_target` tells a mismatched target/drafter
 pair apart with a clear error. A drafter shipped with the package is found by its short name (`TRAINED`).
@@ -35,8 +40,9 @@ from hspec_jax.checkpoints.orbax_io import read_manifest
 from hspec_jax.drafters.api import init_drafter
 from hspec_jax.drafters.config import FAMILIES, DrafterConfig, check_target
 from hspec_jax.drafters.mamba2 import MambaConfig
-from hspec_jax.drafters.vocab import DraftVocab, vocab_from_ids
+from hspec_jax.drafters.vocab import DraftVocab, draft_rows, vocab_from_ids
 from hspec_jax.models.config import TargetConfig
+from hspec_jax.models.decoder import lm_head_matrix
 
 MANIFEST = "hspec_drafter.json"
 VOCAB = "vocab.npz"
@@ -92,15 +98,33 @@ def resolve_drafter(spec: str) -> str:
     return spec
 
 
-def save_drafter(directory: str, params: dict, config: DrafterConfig, vocab: DraftVocab, dtype=None) -> None:
-    """Write a drafter checkpoint; `dtype` (e.g. bfloat16) stores the weights in that dtype (default: as is)."""
+def save_drafter(
+    directory: str, params: dict, config: DrafterConfig, vocab: DraftVocab, dtype=None, target_rows=None
+) -> None:
+    """Write a drafter checkpoint; `dtype` (e.g. bfloat16) stores the weights in that dtype (default: as is).
+    `target_rows`: the target's lm_head rows of the draft tokens (`target_lm_head`); an `lm_head` equal to them in
+    the stored dtype is left out (module docstring)."""
     flat = traverse_util.flatten_dict(jax.device_get(params), sep=".")
     state = {k: np.asarray(v if dtype is None else np.asarray(v).astype(dtype)) for k, v in flat.items()}
+    from_target = []
+    if target_rows is not None:
+        rows = np.asarray(jax.device_get(target_rows)).astype(state["lm_head"].dtype)
+        if np.array_equal(rows, state["lm_head"]):
+            from_target.append("lm_head")
+            del state["lm_head"]
+    manifest = {"format": FORMAT, "config": config_to_dict(config)}
+    if from_target:
+        manifest["from_target"] = from_target
     with staged_directory(directory) as staging:
         write_state_dict(state, staging)
         np.savez(os.path.join(staging, VOCAB), d2t=np.asarray(vocab.d2t), t2d=np.asarray(vocab.t2d))
         with open(os.path.join(staging, MANIFEST), "w") as f:
-            json.dump({"format": FORMAT, "config": config_to_dict(config)}, f, indent=2)
+            json.dump(manifest, f, indent=2)
+
+
+def target_lm_head(target_params: dict, config: DrafterConfig, vocab: DraftVocab) -> jax.Array:
+    """The drafter's frozen lm_head `[Vd, D]`: the target's lm_head rows of the draft tokens."""
+    return draft_rows(lm_head_matrix(target_params, config.target), vocab)
 
 
 def read_drafter_config(spec: str) -> DrafterConfig:
@@ -134,26 +158,35 @@ def read_vocab(path: str, config: DrafterConfig) -> DraftVocab:
     return vocab
 
 
-def restore_params(directory: str, expected: dict) -> dict:
+def restore_params(directory: str, expected: dict, given: dict | None = None) -> dict:
     """The param dict stored in the safetensors of `directory` (one file or shards), checked leaf by leaf
     against `expected` (shapes and dtypes from `jax.eval_shape`) and cast to its dtypes; errors name the first
-    missing, unknown or misshapen parameter."""
+    missing, unknown or misshapen parameter. `given` (flat dotted names) supplies leaves not stored."""
     stored = read_state_dict(directory)
+    given = given or {}
     want = traverse_util.flatten_dict(expected, sep=".")
-    for key in sorted(want.keys() | stored.keys()):
-        if key not in stored:
+    for key in sorted(want.keys() | stored.keys() | given.keys()):
+        if key in given and key in stored:
+            raise CheckpointError(
+                f"checkpoint {directory!r} stores {key}, which its manifest says comes from the target"
+            )
+        if key not in stored and key not in given:
             raise CheckpointError(f"checkpoint {directory!r} is missing parameter {key}")
         if key not in want:
             raise CheckpointError(f"unknown parameter {key} in checkpoint {directory!r}")
-        if tuple(want[key].shape) != stored[key].shape:
-            raise CheckpointError(f"parameter {key} has shape {stored[key].shape}, expected {tuple(want[key].shape)}")
-    flat = {k: jax.numpy.asarray(stored[k].astype(want[k].dtype)) for k in want}
+        found = stored[key].shape if key in stored else tuple(given[key].shape)
+        if tuple(want[key].shape) != found:
+            raise CheckpointError(f"parameter {key} has shape {found}, expected {tuple(want[key].shape)}")
+    flat = {k: jax.numpy.asarray((stored[k] if k in stored else given[k]).astype(want[k].dtype)) for k in want}
     return traverse_util.unflatten_dict(flat, sep=".")
 
 
-def restore_drafter(spec: str, target: TargetConfig | None = None) -> tuple[DrafterConfig, dict, DraftVocab]:
+def restore_drafter(
+    spec: str, target: TargetConfig | None = None, target_params: dict | None = None
+) -> tuple[DrafterConfig, dict, DraftVocab]:
     """(config, params, vocab) of a drafter directory or shipped drafter name. With `target`, the config is
-    rebuilt for that (already loaded) target."""
+    rebuilt for that (already loaded) target. A checkpoint that leaves its lm_head to the target (module
+    docstring) needs `target_params`."""
     directory = os.path.abspath(resolve_drafter(spec))
     config = read_drafter_config(directory)
     if target is not None:
@@ -163,7 +196,18 @@ def restore_drafter(spec: str, target: TargetConfig | None = None) -> tuple[Draf
             raise CheckpointError(f"{directory}: {e}") from None
         config = config.replace(target=target)
     vocab = read_vocab(os.path.join(directory, VOCAB), config)
+    from_target = read_manifest(directory, MANIFEST, FORMAT, "an hspec-jax drafter checkpoint").get("from_target", [])
+    if set(from_target) - {"lm_head"}:
+        raise CheckpointError(f"{directory}: unknown from_target entries {sorted(set(from_target) - {'lm_head'})}")
+    given = {}
+    if from_target:
+        if target_params is None:
+            raise CheckpointError(
+                f"{directory}: this drafter's lm_head is the target's rows (not stored): load it with the target's "
+                "weights"
+            )
+        given["lm_head"] = target_lm_head(target_params, config, vocab)
     expected = jax.eval_shape(lambda: init_drafter(config, jax.random.key(0)))
-    params = restore_params(directory, expected)
+    params = restore_params(directory, expected, given)
     check_finite(params, directory)
     return config, params, vocab
