@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from benchmarks.common import PROMPTS, median_time, write_report
+from benchmarks.common import PROMPTS, cpu_model, median_time, write_report
 from eval.generate import compile_autoregressive, generate_streaming
 from eval.machine import read_bandwidth_gbs
 from hspec_jax.checkpoints import load_target, load_tokenizer, resolve
@@ -156,7 +156,8 @@ def main(argv=None) -> None:
         "# Greedy decoding: hspec-jax vs transformers (SmolLM2-135M-Instruct, fp32, CPU)",
         "",
         f"Command: `python -m benchmarks.decode --new-tokens {n} --repeats {args.repeats}`  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs; jax {jax.__version__}, torch {torch.__version__}.  ",
+        f"Machine: {cpu_model()} ({platform.machine()}), {os.cpu_count()} CPUs; jax {jax.__version__}, "
+        f"torch {torch.__version__}.  ",
         "Batch 1, greedy, exactly the same number of new tokens (EOS ignored), median of the repeats; "
         "hspec-jax time covers prefill + decode after compilation, transformers time covers `generate`.",
         "",

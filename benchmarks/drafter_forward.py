@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import median_time, write_report
+from benchmarks.common import cpu_model, median_time, write_report
 from hspec_jax.decoding import SamplingConfig
 from hspec_jax.drafters import draft_block, full_vocab, init_drafter, propose
 from hspec_jax.drafters.api import mirrored_target_layers
@@ -137,7 +137,8 @@ def main(argv=None) -> None:
         "# Drafter step time T_D(k=7) on CPU: H-Spec vs DFlash vs DSpark",
         "",
         f"Command: `python -m benchmarks.drafter_forward{' --quick' if args.quick else ''}`  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, jax {jax.__version__}, fp32, reference attention "
+        f"Machine: {cpu_model()} ({platform.machine()}), {os.cpu_count()} CPUs, jax {jax.__version__}, fp32, "
+        "reference attention "
         "(the CPU path). Median of the repeats, after compilation.",
         "",
         "A step is what each drafter does per decoding step: DFlash/DSpark inject the K/V of the 8 rows the target "

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import PROMPTS, median_time, write_report
+from benchmarks.common import PROMPTS, cpu_model, median_time, write_report
 from eval.generate import compile_autoregressive, compile_speculative, generate_streaming
 from hspec_jax.checkpoints import load_target, load_tokenizer
 from hspec_jax.decoding import SamplingConfig, chat_prompt_ids, pad_batch
@@ -36,23 +35,36 @@ GREEDY = SamplingConfig()
 
 
 def isolated_step_times(target, target_params, drafters, context: int, repeats: int) -> dict[str, float]:
-    """T_T(1), T_T(k+1) and each drafter's T_D(k) (draft + token choice), each jitted alone."""
+    """T_T(1), T_T(k+1) and each drafter's T_D(k) (draft + token choice), each jitted alone. The target's steps
+    donate the cache and get it back, as in the engines (an undonated step would copy every layer's K and V)."""
     k = next(iter(drafters.values()))[0].num_drafts
     cache = init_cache(target, 1, context + 64).replace(lengths=jnp.array([context], jnp.int32))
     times = {}
     for name, width in (("T_T(1)", 1), (f"T_T({k + 1})", k + 1)):
         taps = next(iter(drafters.values()))[0].fusion_layer_ids if width > 1 else ()
-        fn = jax.jit(lambda p, c, w=width, taps=taps: forward(p, target, jnp.ones((1, w), jnp.int32), c, taps))
-        jax.block_until_ready(fn(target_params, cache))
-        times[name] = median_time(lambda fn=fn: jax.block_until_ready(fn(target_params, cache)), repeats)
+
+        def target_step(p, c, w=width, taps=taps):
+            out = forward(p, target, jnp.ones((1, w), jnp.int32), c, taps)
+            return out.logits, out.hidden, out.cache  # rows written, lengths unchanged: the same step again
+
+        fn = jax.jit(target_step, donate_argnums=1)
+        held = {"cache": jax.tree.map(jnp.copy, cache)}
+
+        def call(fn=fn, held=held):
+            *out, held["cache"] = fn(target_params, held["cache"])
+            jax.block_until_ready(out)
+
+        call()
+        times[name] = median_time(call, repeats)
     embedding = target_params["embed_tokens"]["embedding"]
     for kind, (config, params, vocab) in drafters.items():
-        block = jnp.concatenate([jnp.ones((1, 1), jnp.int32), jnp.full((1, k), config.mask_token_id, jnp.int32)], 1)
+        masks = jnp.full((1, config.block_size - 1), config.mask_token_id, jnp.int32)
+        block = jnp.concatenate([jnp.ones((1, 1), jnp.int32), masks], 1)  # DSpark: k slots, the others k + 1
         taps = jnp.ones((1, k + 1, len(config.fusion_layer_ids) * target.hidden_size), jnp.float32)
         positions = jnp.array([context - k - 1], jnp.int32)[:, None] + jnp.arange(k + 1)
 
         def step(p, c, ctx, config=config, vocab=vocab, taps=taps, positions=positions, block=block):
-            new_context = (taps, positions) if config.owns_kv_cache else None
+            new_context = (taps, positions, positions[:, 0]) if config.owns_kv_cache else None
             out = draft_block(
                 p,
                 config,
@@ -64,7 +76,8 @@ def isolated_step_times(target, target_params, drafters, context: int, repeats: 
                 context_kv=ctx,
                 new_context=new_context,
             )
-            return propose(out.logits[:, 1:], block[:, 0], vocab, GREEDY, jax.random.key(0), p.get("markov_head"))
+            logits = out.logits[:, config.first_draft_slot :]
+            return propose(logits, block[:, 0], vocab, GREEDY, jax.random.key(0), p.get("markov_head"))
 
         ctx = drafter_context(config, 1, context + 64)
         fn = jax.jit(step)
@@ -134,7 +147,7 @@ def main(argv=None) -> None:
         "# Speculative decoding overhead on CPU (SmolLM2-135M-Instruct, fp32, k = 7)",
         "",
         f"Command: `python -m benchmarks.spec_overhead --new-tokens {n} --repeats {args.repeats}`  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, jax {jax.__version__}. Drafters are randomly "
+        f"Machine: {cpu_model()}, {os.cpu_count()} CPUs, jax {jax.__version__}. Drafters are randomly "
         "initialised (tau ~ 1), so this measures cost, not acceptance; every run's tokens equal plain greedy "
         "decoding (checked).",
         "",

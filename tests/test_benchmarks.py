@@ -1,0 +1,25 @@
+"""The benchmarks' own step functions still run with today's drafter API (they are not run by the suite otherwise)."""
+
+import jax
+import numpy as np
+
+from benchmarks.spec_overhead import KINDS, isolated_step_times
+from hspec_jax.drafters import init_drafter, init_from_target
+from hspec_jax.drafters.vocab import build_draft_vocab
+from hspec_jax.models import init_params
+from hspec_jax.recipes import drafter_from_recipe, load_config, target_config
+
+
+def test_spec_overhead_isolated_steps_run_for_every_kind_on_tiny():
+    recipe = load_config("tiny")
+    target = target_config(recipe)
+    target_params = init_params(target, jax.random.key(0))
+    drafters = {}
+    for kind in KINDS:
+        config = drafter_from_recipe(recipe, kind, target)
+        vocab = build_draft_vocab(np.arange(90), target.vocab_size, config.vocab_size)
+        params = init_from_target(init_drafter(config, jax.random.key(0)), config, target_params, vocab)
+        drafters[kind] = (config, params, vocab)
+    times = isolated_step_times(target, target_params, drafters, context=16, repeats=2)
+    assert set(times) == {"T_T(1)", "T_T(8)", *(f"T_D(7) {kind}" for kind in KINDS)}
+    assert all(t > 0 for t in times.values())
