@@ -141,7 +141,11 @@ class Method(NamedTuple):
 
 
 def load_methods(
-    target: Target, target_spec: str, drafters: list[str], prompt_ids: list[list[int]], ks: tuple[int, ...] | None
+    target: Target,
+    target_spec: str,
+    drafters: list[str],
+    prompt_ids: list[list[int]],
+    ks: tuple[int, ...] | None = None,
 ) -> list[Method]:
     """Plain decoding, then one method per drafter spec (a checkpoint directory or random:<kind>; a random drafter's
     vocabulary comes from `prompt_ids`) and per draft length in `ks` (named `SPEC k=K`; None: the drafter's own k,
