@@ -24,12 +24,10 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from hspec_jax import parallel
+from hspec_jax.checkpoints import CheckpointError
 from hspec_jax.checkpoints.drafter_io import (
-    VOCAB,
     config_to_dict,
-    read_drafter_config,
-    read_vocab,
-    resolve_drafter,
+    read_drafter_meta,
     restore_drafter,
     save_drafter,
     target_lm_head,
@@ -37,7 +35,7 @@ from hspec_jax.checkpoints.drafter_io import (
 from hspec_jax.decoding import chat_prompt_ids, pad_batch
 from hspec_jax.decoding.speculative import speculative_generate
 from hspec_jax.drafters import init_drafter, init_from_target
-from hspec_jax.drafters.config import DrafterConfig, check_target
+from hspec_jax.drafters.config import DrafterConfig
 from hspec_jax.drafters.vocab import DraftVocab, draft_vocab_from_counts, vocab_from_ids
 from hspec_jax.recipes import drafter_from_recipe
 from train.chat import user_texts
@@ -68,32 +66,25 @@ class Run:
     data_report: dict
 
 
-def warm_start_config(spec: str, drafter: DrafterConfig) -> DrafterConfig:
-    """The config of the drafter `spec` (directory or shipped name) that a fine-tuning run starts from, read
-    without its weights; it must be the recipe's drafter (dtypes aside), else an error naming the fields."""
-    config = read_drafter_config(spec)
+def warm_start_vocab(spec: str, drafter: DrafterConfig) -> DraftVocab:
+    """The draft vocabulary of the drafter `spec` (directory or shipped name) that a fine-tuning run starts from and
+    keeps, its weights not read; its config must be the recipe's drafter (dtypes aside), else an error naming the
+    fields."""
     try:
-        check_target(config, drafter.target)
-    except ValueError as e:
+        config, vocab, _ = read_drafter_meta(spec, drafter.target)
+    except CheckpointError as e:
         raise ValueError(f"train.init_from={spec!r}: {e}") from None
-    config = config.replace(target=drafter.target)
     ours, theirs = config_to_dict(drafter)["fields"], config_to_dict(config)["fields"]
     differ = sorted(k for k in ours if k not in ("dtype", "param_dtype") and ours[k] != theirs[k])
     if config.family is not drafter.family or differ:
         fields = ", ".join(f"{k}={theirs[k]!r} (recipe: {ours[k]!r})" for k in differ) or "the drafter kind"
         raise ValueError(f"train.init_from={spec!r} does not match the recipe's drafter: {fields}")
-    return config
-
-
-def warm_start_vocab(spec: str, drafter: DrafterConfig) -> DraftVocab:
-    """The draft vocabulary of the starting drafter `spec`, which a fine-tuning run keeps (weights not read)."""
-    config = warm_start_config(spec, drafter)
-    return read_vocab(os.path.join(resolve_drafter(spec), VOCAB), config)
+    return vocab
 
 
 def warm_start_params(spec: str, drafter: DrafterConfig, target_params: dict) -> dict:
     """The weights of the starting drafter `spec`, in the recipe's parameter dtype (read once, by a fresh run)."""
-    warm_start_config(spec, drafter)
+    warm_start_vocab(spec, drafter)  # the config check
     _, params, _ = restore_drafter(spec, drafter.target, target_params)
     return jax.tree.map(lambda x: x.astype(drafter.param_dtype), params)
 

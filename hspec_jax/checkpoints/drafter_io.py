@@ -127,16 +127,39 @@ def target_lm_head(target_params: dict, config: DrafterConfig, vocab: DraftVocab
     return draft_rows(lm_head_matrix(target_params, config.target), vocab)
 
 
-def read_drafter_config(spec: str) -> DrafterConfig:
-    """The config of a drafter checkpoint (directory or shipped name), read without its weights (cheap: for
-    checks before loading)."""
-    directory = resolve_drafter(spec)
+def read_drafter_manifest(directory: str) -> dict:
+    """The manifest of a drafter checkpoint directory, after checking that its weights and vocabulary are there."""
     manifest = read_manifest(directory, MANIFEST, FORMAT, "an hspec-jax drafter checkpoint")
     if not any(os.path.isfile(os.path.join(directory, f)) for f in (SAFETENSORS, SAFETENSORS_INDEX)):
         raise CheckpointError(f"drafter checkpoint {directory!r} has no {SAFETENSORS}")
     if not os.path.isfile(os.path.join(directory, VOCAB)):
         raise CheckpointError(f"drafter checkpoint {directory!r} has no {VOCAB}")
-    return config_from_dict(manifest["config"], source=os.path.join(directory, MANIFEST))
+    return manifest
+
+
+def read_drafter_config(spec: str) -> DrafterConfig:
+    """The config of a drafter checkpoint (directory or shipped name), read without its weights (cheap: for
+    checks before loading)."""
+    directory = resolve_drafter(spec)
+    return config_from_dict(read_drafter_manifest(directory)["config"], source=os.path.join(directory, MANIFEST))
+
+
+def read_drafter_meta(spec: str, target: TargetConfig | None = None) -> tuple[DrafterConfig, DraftVocab, list[str]]:
+    """(config, vocab, parameters taken from the target) of a drafter directory or shipped name, its weights not
+    read. With `target`, the config is checked against and rebuilt for that (already loaded) target."""
+    directory = os.path.abspath(resolve_drafter(spec))
+    manifest = read_drafter_manifest(directory)
+    config = config_from_dict(manifest["config"], source=os.path.join(directory, MANIFEST))
+    if target is not None:
+        try:
+            check_target(config, target)
+        except ValueError as e:
+            raise CheckpointError(f"{directory}: {e}") from None
+        config = config.replace(target=target)
+    from_target = manifest.get("from_target", [])
+    if set(from_target) - {"lm_head"}:
+        raise CheckpointError(f"{directory}: unknown from_target entries {sorted(set(from_target) - {'lm_head'})}")
+    return config, read_vocab(os.path.join(directory, VOCAB), config), from_target
 
 
 def read_vocab(path: str, config: DrafterConfig) -> DraftVocab:
@@ -188,17 +211,7 @@ def restore_drafter(
     rebuilt for that (already loaded) target. A checkpoint that leaves its lm_head to the target (module
     docstring) needs `target_params`."""
     directory = os.path.abspath(resolve_drafter(spec))
-    config = read_drafter_config(directory)
-    if target is not None:
-        try:
-            check_target(config, target)
-        except ValueError as e:
-            raise CheckpointError(f"{directory}: {e}") from None
-        config = config.replace(target=target)
-    vocab = read_vocab(os.path.join(directory, VOCAB), config)
-    from_target = read_manifest(directory, MANIFEST, FORMAT, "an hspec-jax drafter checkpoint").get("from_target", [])
-    if set(from_target) - {"lm_head"}:
-        raise CheckpointError(f"{directory}: unknown from_target entries {sorted(set(from_target) - {'lm_head'})}")
+    config, vocab, from_target = read_drafter_meta(directory, target)
     given = {}
     if from_target:
         if target_params is None:
