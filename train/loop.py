@@ -93,9 +93,12 @@ def draft_vocabulary(workdir: str, loaded, tokenizer, target, drafter: DrafterCo
     """(draft vocabulary, supervised token counts `[V]`): read from the work directory on resume, else `given`
     (a fine-tuning run keeps its starting drafter's) or built from the supervised tokens of the training data
     (top `draft_vocab_size` by frequency, EOS always kept), and written there by process 0 (every process
-    computes the same)."""
+    computes the same). Every process looks for the file before process 0 may write it, so all of them take the
+    same branch (and meet at the same barriers) however far apart they start."""
     path = os.path.join(workdir, "vocab.npz")
-    if os.path.exists(path):
+    resuming = os.path.exists(path)
+    multihost_utils.sync_global_devices("draft vocabulary looked up")
+    if resuming:
         with np.load(path) as stored:
             if stored["d2t"].shape[0] != drafter.vocab_size:
                 raise ValueError(
