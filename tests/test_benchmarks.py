@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 
+from benchmarks import matmul_rows
 from benchmarks.spec_overhead import KINDS, isolated_step_times
 from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.vocab import build_draft_vocab
@@ -23,3 +24,11 @@ def test_spec_overhead_isolated_steps_run_for_every_kind_on_tiny():
     times = isolated_step_times(target, target_params, drafters, context=16, repeats=2)
     assert set(times) == {"T_T(1)", "T_T(8)", *(f"T_D(7) {kind}" for kind in KINDS)}
     assert all(t > 0 for t in times.values())
+
+
+def test_matmul_rows_reports_every_back_end(tmp_path):
+    out = tmp_path / "matmul_rows.md"
+    matmul_rows.main(["--chain", "2", "--repeats", "2", "--out", str(out)])
+    table = [line for line in out.read_text().splitlines() if line.startswith("| ") and "µs" not in line]
+    assert [row.split(" | ")[0] for row in table] == ["| XLA fp32", "| XLA bf16", "| PyTorch fp32"]
+    assert all(float(cell) > 0 for row in table for cell in row.strip(" |").split(" | ")[1:])
