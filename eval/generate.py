@@ -403,10 +403,14 @@ class Interrupt:
 
     def _handle(self, signum, frame):
         if self.waiting or self.requested:
-            sys.stdout.flush()
-            print("\ninterrupted", file=sys.stderr, flush=True)
-            os._exit(EXIT_INTERRUPTED)
+            self._exit()
         self.requested = True
+
+    @staticmethod
+    def _exit():
+        sys.stdout.flush()
+        print("\ninterrupted", file=sys.stderr, flush=True)
+        os._exit(EXIT_INTERRUPTED)
 
     def wait_for(self, fn: Callable, *args, **kwargs):
         """Run `fn` in a worker thread so that Ctrl-C, handled by the main thread, can exit at once."""
@@ -420,6 +424,8 @@ class Interrupt:
 
         worker = threading.Thread(target=work, daemon=True)
         self.waiting = True
+        if self.requested:  # pressed just before the wait: it would otherwise be seen only after it
+            self._exit()
         worker.start()
         while worker.is_alive():
             worker.join(0.05)

@@ -367,27 +367,31 @@ def test_ctrl_c_while_decoding_keeps_the_text_and_exits_130(tiny_dir):
 
 
 WAIT_FOREVER = """
-import sys, threading
+import os, signal, sys, threading
 from eval.generate import Interrupt
 with Interrupt() as interrupt:
     print("waiting", flush=True)
+    if sys.argv[1] == "before":
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C just before the wait starts: only a flag so far
     interrupt.wait_for(threading.Event().wait)  # stands for loading or compiling, which never ends here
 print("returned", flush=True)
 """
 
 
-def test_ctrl_c_while_loading_or_compiling_exits_130_at_once():
+@pytest.mark.parametrize("when", ["during", "before"])
+def test_ctrl_c_while_loading_or_compiling_exits_130_at_once(when):
     # `eval.generate` loads and compiles inside `Interrupt.wait_for`; a blocked wait makes the timing certain
     # (a real compile of the tiny target can end before the signal arrives).
     proc = subprocess.Popen(
-        [sys.executable, "-c", WAIT_FOREVER],
+        [sys.executable, "-c", WAIT_FOREVER, when],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": ROOT},
     )
     assert proc.stdout.readline() == b"waiting\n"
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=10)
+    if when == "during":
+        proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and out == b""
     assert err.decode().strip().splitlines()[-1] == "interrupted" and b"Traceback" not in err
