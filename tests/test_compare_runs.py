@@ -1,0 +1,64 @@
+"""train.compare_runs: per-slot means over the last logged steps, real tau by step, clear errors."""
+
+import json
+import os
+
+from train import compare_runs
+
+
+def write_run(root, name, records):
+    workdir = os.path.join(root, name)
+    os.makedirs(workdir)
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    return workdir
+
+
+def logged(step, acc, overlap, **extra):
+    record = {"step": step, "loss": 1.0}
+    record.update({f"acc_{k + 1}": v for k, v in enumerate(acc)})
+    record.update({f"overlap_{k + 1}": v for k, v in enumerate(overlap)})
+    return {**record, **extra}
+
+
+def test_means_over_the_last_steps_and_taus_by_step(tmp_path, capsys):
+    a = write_run(
+        tmp_path,
+        "a",
+        [
+            logged(10, [0.9, 0.9], [0.9, 0.9]),  # outside --last 2
+            logged(20, [0.4, 0.2], [0.5, 0.3], tau=1.25),
+            logged(30, [0.6, 0.0], [0.7, 0.1]),
+        ],
+    )
+    b = write_run(tmp_path, "b", [logged(30, [0.1, 0.1, 0.3], [0.2, 0.2, 0.2], tau=1.5)])
+    out = tmp_path / "table.md"
+    assert compare_runs.main([f"H-Spec={a}", b, "--last", "2", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert out.read_text() == text
+    assert "| H-Spec | 30 | acc | 0.500 | 0.100 | - |" in text
+    assert "| H-Spec | 30 | overlap | 0.600 | 0.200 | - |" in text
+    assert "| b | 30 | acc | 0.100 | 0.100 | 0.300 |" in text
+    assert "| run | real tau @20 | real tau @30 |" in text
+    assert "| H-Spec | 1.250 | - |" in text
+    assert "| b | - | 1.500 |" in text
+
+
+def test_records_are_taken_in_step_order(tmp_path):
+    records = compare_runs.read_metrics(
+        write_run(tmp_path, "r", [logged(20, [0.2], [0.2]), logged(10, [0.1], [0.1])])
+    )
+    assert [r["step"] for r in records] == [10, 20]
+    assert compare_runs.slot_means(records, "acc", 1) == [0.2]
+
+
+def test_not_a_work_directory_is_a_clear_error(tmp_path, capsys):
+    assert compare_runs.main([str(tmp_path / "nope")]) == 1
+    assert "nope/metrics.jsonl does not exist: is" in capsys.readouterr().err
+
+
+def test_empty_metrics_is_a_clear_error(tmp_path, capsys):
+    write_run(tmp_path, "empty", [])
+    assert compare_runs.main([str(tmp_path / "empty")]) == 1
+    assert "has no records" in capsys.readouterr().err

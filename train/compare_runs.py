@@ -1,0 +1,95 @@
+"""Compare training runs by what they logged: `python -m train.compare_runs RUN_DIR... [--last N] [--out FILE]`.
+
+Every logged step's metrics are measured on that step's batch before the update: within the first epoch, rows
+the run has not trained on, so their mean over the last N logged steps is an out-of-sample estimate with thousands
+of drafted blocks behind it. Per draft slot k it prints the greedy agreement `acc_k` (the drafter's top token is the target's)
+and the acceptance probability `overlap_k` (sum over the vocabulary of min(p, q)); each slot is predicted in
+parallel from the anchor, so a slot's rate does not depend on the slots before it, and a drafter whose rates fall
+faster with k is one that decays at later positions. It also prints the held-out real tau at every step where
+the run measured it (`eval_every`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """The records of `workdir/metrics.jsonl`, in step order; a clear error when there are none."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist: is {workdir!r} a train.main work directory?")
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    if not records:
+        raise ValueError(f"{path} has no records")
+    return sorted(records, key=lambda r: r["step"])
+
+
+def slot_means(records: list[dict], prefix: str, last: int) -> list[float]:
+    """Mean of `prefix_1..prefix_K` over the last `last` records that have them: `[K]`."""
+    rows = [r for r in records if f"{prefix}_1" in r and "loss" in r][-last:]
+    if not rows:
+        return []
+    count = max(int(key.rsplit("_", 1)[1]) for key in rows[-1] if key.startswith(f"{prefix}_"))
+    return [sum(r[f"{prefix}_{k}"] for r in rows) / len(rows) for k in range(1, count + 1)]
+
+
+def real_taus(records: list[dict]) -> dict[int, float]:
+    """{step: held-out real tau} for the steps where the run measured it."""
+    return {r["step"]: r["tau"] for r in records if "tau" in r}
+
+
+def table(names: list[str], runs: list[list[dict]], last: int) -> str:
+    """The markdown comparison of the runs (one row per run and metric)."""
+    steps = sorted({s for records in runs for s in real_taus(records)})
+    slots = max(len(slot_means(records, "acc", last)) for records in runs)
+    lines = [
+        f"Per-slot rates: mean over each run's last {last} logged steps. Real tau: held-out prompts, greedy.",
+        "",
+        "| run | last step | metric | " + " | ".join(str(k) for k in range(1, slots + 1)) + " |",
+        "|---|---|---|" + "---|" * slots,
+    ]
+    for name, records in zip(names, runs):
+        for prefix in ("acc", "overlap"):
+            values = slot_means(records, prefix, last)
+            cells = [f"{v:.3f}" for v in values] + ["-"] * (slots - len(values))
+            lines.append(f"| {name} | {records[-1]['step']} | {prefix} | " + " | ".join(cells) + " |")
+    if steps:
+        lines += ["", "| run | " + " | ".join(f"real tau @{s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]
+        for name, records in zip(names, runs):
+            taus = real_taus(records)
+            lines.append(f"| {name} | " + " | ".join(f"{taus[s]:.3f}" if s in taus else "-" for s in steps) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.compare_runs", description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="+", help="train.main work directories; NAME=DIR names a run")
+    parser.add_argument("--last", type=int, default=10, help="logged steps to average the per-slot rates over")
+    parser.add_argument("--out", help="also write the table to this markdown file")
+    args = parser.parse_args(argv)
+    if args.last < 1:
+        parser.error("--last must be >= 1")
+    names, runs = [], []
+    try:
+        for spec in args.runs:
+            name, _, workdir = spec.rpartition("=")
+            names.append(name or os.path.basename(os.path.normpath(workdir)))
+            runs.append(read_metrics(workdir))
+    except (FileNotFoundError, ValueError) as err:
+        print(f"train.compare_runs: error: {err}", file=sys.stderr)
+        return 1
+    text = table(names, runs, args.last)
+    print(text, end="")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
