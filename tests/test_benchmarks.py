@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 
-from benchmarks import matmul_rows
+from benchmarks import drafter_recipes, matmul_rows
 from benchmarks.spec_overhead import KINDS, isolated_step_times
 from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.vocab import build_draft_vocab
@@ -32,3 +32,18 @@ def test_matmul_rows_reports_every_back_end(tmp_path):
     table = [line for line in out.read_text().splitlines() if line.startswith("| ") and "µs" not in line]
     assert [row.split(" | ")[0] for row in table] == ["| XLA fp32", "| XLA bf16", "| PyTorch fp32"]
     assert all(float(cell) > 0 for row in table for cell in row.strip(" |").split(" | ")[1:])
+
+
+def test_drafter_recipes_times_each_recipe_at_each_k(tmp_path):
+    out = tmp_path / "drafter_recipes.md"
+    drafter_recipes.main(["--recipes", "tiny", "--k", "2,3", "--contexts", "16", "--repeats", "2", "--out", str(out)])
+    row = next(line for line in out.read_text().splitlines() if line.startswith("| tiny |"))
+    cells = row.strip(" |").split(" | ")
+    assert cells[1] == f"{drafter_recipes.parameter_count(load_config('tiny')) / 1e6:.1f} M"
+    assert len(cells) == 4 and all(float(c) > 0 for c in cells[2:])
+
+
+def test_with_drafts_sets_the_block_for_k():
+    recipe = load_config("tiny")
+    assert drafter_from_recipe(drafter_recipes.with_drafts(recipe, 3)).num_drafts == 3
+    assert drafter_from_recipe(recipe).num_drafts == 7  # the recipe itself is left alone
