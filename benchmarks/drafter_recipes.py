@@ -57,7 +57,9 @@ def main(argv=None) -> None:
         f"Machine: {cpu_model()} ({platform.machine()}), {os.cpu_count()} CPUs, jax {jax.__version__}, fp32. "
         "Median of the repeats after compilation; random weights (speed does not depend on them).",
         "",
-        "| recipe | parameters (with the frozen lm_head) | " + " | ".join(f"k={k} @{c} ms" for k in ks for c in contexts) + " |",
+        "| recipe | parameters (with the frozen lm_head) | "
+        + " | ".join(f"k={k} @{c} ms" for k in ks for c in contexts)
+        + " |",
         "|---|---|" + "---|" * (len(ks) * len(contexts)),
     ]
     for name, recipe in recipes.items():

@@ -1,11 +1,11 @@
 """Compare training runs by what they logged: `python -m train.compare_runs RUN_DIR... [--last N] [--out FILE]`.
 
 Every logged step's metrics are measured on that step's batch before the update: within the first epoch, rows
-the run has not trained on, so their mean over the last N logged steps is an out-of-sample estimate with thousands
-of drafted blocks behind it. Per draft slot k it prints the greedy agreement `acc_k` (the drafter's top token is the target's)
-and the acceptance probability `overlap_k` (sum over the vocabulary of min(p, q)); each slot is predicted in
-parallel from the anchor, so a slot's rate does not depend on the slots before it, and a drafter whose rates fall
-faster with k is one that decays at later positions. It also prints the held-out real tau at every step where
+the run has not trained on, so their mean over the last N logged steps is an out-of-sample estimate with
+thousands of drafted blocks behind it. Per draft slot k it prints the greedy agreement `acc_k` (the drafter's
+top token is the target's) and the acceptance probability `overlap_k` (sum over the vocabulary of min(p, q)),
+each over all blocks, not only those whose earlier slots were accepted: a drafter whose rates fall faster with
+k is one that decays at later positions. It also prints the held-out real tau at every step where
 the run measured it (`eval_every`).
 """
 
@@ -53,14 +53,14 @@ def table(names: list[str], runs: list[list[dict]], last: int) -> str:
         "| run | last step | metric | " + " | ".join(str(k) for k in range(1, slots + 1)) + " |",
         "|---|---|---|" + "---|" * slots,
     ]
-    for name, records in zip(names, runs):
+    for name, records in zip(names, runs, strict=True):
         for prefix in ("acc", "overlap"):
             values = slot_means(records, prefix, last)
             cells = [f"{v:.3f}" for v in values] + ["-"] * (slots - len(values))
             lines.append(f"| {name} | {records[-1]['step']} | {prefix} | " + " | ".join(cells) + " |")
     if steps:
         lines += ["", "| run | " + " | ".join(f"real tau @{s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]
-        for name, records in zip(names, runs):
+        for name, records in zip(names, runs, strict=True):
             taus = real_taus(records)
             lines.append(f"| {name} | " + " | ".join(f"{taus[s]:.3f}" if s in taus else "-" for s in steps) + " |")
     return "\n".join(lines) + "\n"
