@@ -46,9 +46,7 @@ def test_means_over_the_last_steps_and_taus_by_step(tmp_path, capsys):
 
 
 def test_records_are_taken_in_step_order(tmp_path):
-    records = compare_runs.read_metrics(
-        write_run(tmp_path, "r", [logged(20, [0.2], [0.2]), logged(10, [0.1], [0.1])])
-    )
+    records = compare_runs.read_metrics(write_run(tmp_path, "r", [logged(20, [0.2], [0.2]), logged(10, [0.1], [0.1])]))
     assert [r["step"] for r in records] == [10, 20]
     assert compare_runs.slot_means(records, "acc", 1) == [0.2]
 
