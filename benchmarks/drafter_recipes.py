@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     parser.add_argument("--k", default="2,7", help="drafted tokens per step, comma-separated")
     parser.add_argument("--contexts", default="256,1024", help="context lengths, comma-separated")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out", default="benchmarks/results/drafter_recipes.md")
+    parser.add_argument("--out", default="benchmarks/results/recipes_smollm2/drafter_step.md")
     args = parser.parse_args(argv)
     names = args.recipes.split(",")
     ks = [int(k) for k in args.k.split(",")]
