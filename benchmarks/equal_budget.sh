@@ -2,16 +2,17 @@
 # Train several drafter kinds on SmolLM2 at an equal budget (same data, steps, batch, anchors, optimiser, seed),
 # then evaluate them side by side with `eval.main` (greedy, and at temperature 1 when TEMPERATURES says so).
 #
-#   DATA=data/regen.jsonl WORK=runs/equal STEPS=100 KINDS="hspec dspark dflash" benchmarks/equal_budget.sh
+#   WORK=runs/equal STEPS=100 KINDS="hspec dspark dflash" benchmarks/equal_budget.sh
 #
 # Every run is resumable: stop the script at any moment and start it again with the same variables; a finished
 # run (its exported drafter at step STEPS) is skipped, an unfinished one resumes from its latest checkpoint, an
 # evaluation whose report exists is skipped. Work directories: $WORK/steps$STEPS/<kind>; reports:
-# $OUT/greedy and $OUT/temperature<T>. DATA is a regenerated-conversation JSONL (`train.regenerate`): its last 8
-# conversations are the held-out prompts of every run's real tau.
+# $OUT/greedy and $OUT/temperature<T>. DATA is a regenerated-conversation JSONL (`train.regenerate`; default: the
+# committed data/smollm2_regen_sharegpt.jsonl, the file the reports in benchmarks/results were trained on): its
+# last 8 conversations are the held-out prompts of every run's real tau.
 set -euo pipefail
 
-: "${DATA:?DATA: the regenerated conversations (JSONL) every run trains on}"
+DATA=${DATA:-data/smollm2_regen_sharegpt.jsonl}
 WORK=${WORK:-runs/equal_budget}
 STEPS=${STEPS:-100}
 KINDS=${KINDS:-hspec dspark dflash}

@@ -7,7 +7,11 @@ they would otherwise dominate the drafter: draft vocabulary 16384 of 49152 token
 21-25% of its targets' vocabularies; 33% here) and Markov rank 64 (256 at hidden 4096; 576/4096 * 256 = 36).
 """
 
+import os
+
 from hspec_jax.recipes import recipe
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 
 HF_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -43,6 +47,11 @@ def get_config():
         draft_vocab_size=16384,
         markov_rank=64,
     )
+    # The target's own answers to ShareGPT prompts and to Magpie-style instructions it wrote (data/README.md),
+    # plus raw ShareGPT, in equal shares; the last 8 regenerated ShareGPT conversations are held out.
+    regen = os.path.join(DATA, "smollm2_regen_sharegpt.jsonl")
+    magpie = os.path.join(DATA, "smollm2_magpie.jsonl")
+    c.data.sources = f"regen={regen}:1,magpie={magpie}:1,sharegpt:1"
     # Sized for the 2-core CPU machine: 4 packed rows of 1024 tokens and 128 anchors each per step.
     c.data.seq_len = 1024
     c.data.max_anchors = 128

@@ -388,3 +388,30 @@ def test_regenerate_skips_repeated_prompts():
     assert [c.id for c in todo] == ["0", "1", "4"] and repeats == 1
     todo, repeats = new_prompts(conversations, records, max_turns=1)
     assert [c.id for c in todo] == ["0", "1"] and repeats == 2
+
+
+def test_committed_smollm2_data_matches_its_record_and_holds_no_evaluation_prompt():
+    """The regenerated files of the SmolLM2 training mix (configs/smollm2.py) are the ones data/README.md records
+    (conversation count, sha256), each a user turn answered by the target, with no evaluation prompt in them."""
+    import os
+    import re
+
+    from hspec_jax.recipes import load_config
+    from train.data import evaluation_texts, source_fingerprint
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "data", "README.md")) as f:
+        rows = re.findall(r"^\| `([\w.]+\.jsonl)` \| ([\d,]+) \|.*\| `([0-9a-f]{64})` \|$", f.read(), re.MULTILINE)
+    recorded = {name: (int(count.replace(",", "")), sha) for name, count, sha in rows}
+    files = [s for s in parse_sources(load_config("smollm2").data.sources) if s.location != "sharegpt"]
+    assert sorted(os.path.basename(s.location) for s in files) == sorted(recorded)
+    texts = evaluation_texts()
+    assert len(texts) > 400
+    for source in files:
+        count, sha = recorded[os.path.basename(source.location)]
+        assert source_fingerprint(source)["sha256"] == sha
+        conversations = load_conversations(source)
+        assert len(conversations) == count
+        roles = {tuple(m["role"] for m in c.messages if m["role"] != "system") for c in conversations}
+        assert roles == {("user", "assistant")}
+        assert exclude_eval_prompts(conversations, texts)[1] == 0
