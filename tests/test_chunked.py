@@ -87,8 +87,7 @@ def test_chunked_speculative_decoding_equals_one_loop(params, batch):
 
 def test_blocked_attention_equals_dense_attention():
     from hspec_jax.models.blocked_attention import blocked_attention
-    from hspec_jax.models.decoder import causal_mask
-    from hspec_jax.models.layers import dot_product_attention
+    from hspec_jax.models.layers import causal_mask, dot_product_attention
 
     rng = np.random.default_rng(0)
     b, t, s, n, kv, h = 2, 37, 70, 4, 2, 8
@@ -102,8 +101,8 @@ def test_blocked_attention_equals_dense_attention():
 
 
 def test_long_prompt_logits_equal_two_short_forwards(params):
-    """A prompt longer than LONG_INPUT goes through the blocked attention in one forward; split in two halves
-    shorter than LONG_INPUT (dense attention, the second half reading the first from the cache) it must give
+    """A prompt longer than LONG_INPUT goes through the blocked attention in prompt tiles in one forward; split in
+    two halves shorter than LONG_INPUT (decoding tiles, the second half reading the first from the cache) it must give
     the same logits and the same cache. Layers alternate sliding-window and full attention."""
     from hspec_jax.models import forward
     from hspec_jax.models.decoder import LONG_INPUT

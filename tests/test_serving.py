@@ -3,6 +3,7 @@ decoding (every request's answer equals decoding it alone) for plain decoding an
 requests arriving while others decode, long prompts prefilled in chunks, and preemption when the pool runs out."""
 
 import argparse
+import dataclasses
 import importlib
 import json
 
@@ -176,6 +177,28 @@ def test_continuous_batching_is_lossless(kind, target_params, prompts, alone):
         assert sum(n for _, n in c.bursts) == len(c.tokens)
         if model.drafter is not None:
             assert c.steps >= 1 and 0 <= c.accepted <= c.steps * model.drafter.num_drafts
+
+
+@pytest.mark.parametrize("kind", ["plain", "hspec", "dflash"])
+def test_dense_layout_is_lossless_and_never_preempts(kind, target_params, prompts, alone):
+    """The dense layout (one contiguous cache row per slot, the data engine's): six requests on two slots, long
+    prompts in chunks: every answer equals decoding it alone, nothing is preempted, and a page count is refused."""
+    model = served_model(kind, target_params, prompts)
+    config = dataclasses.replace(small_pool_config(model, prompts), num_pages=None, layout="dense")
+    engine = ServingEngine(model, config)
+    assert engine.cache.k[0].shape[:2] == (2, engine.max_pages * config.page_size)
+    for i, prompt in enumerate(prompts):
+        assert engine.submit(Request(f"r{i}", prompt)) is None
+    done = {}
+    while engine.busy:
+        done.update((c.request.id, c) for c in engine.step())
+    assert engine.preemptions == 0 and engine.running == 0
+    for i in range(len(prompts)):
+        np.testing.assert_array_equal(done[f"r{i}"].tokens, alone[i], err_msg=f"request r{i}")
+    with pytest.raises(ValueError, match="dense layout holds every slot at its longest"):
+        ServingEngine(model, dataclasses.replace(config, num_pages=config.slots * engine.max_pages))
+    with pytest.raises(ValueError, match="layout must be one of paged, dense"):
+        dataclasses.replace(config, layout="ring")
 
 
 @pytest.mark.parametrize("arrival", ["closed", "poisson"])

@@ -24,32 +24,22 @@ import jax.numpy as jnp
 from hspec_jax.models.blocked_attention import blocked_attention
 from hspec_jax.models.config import TargetConfig
 from hspec_jax.models.kv_cache import KVCache, init_cache
-from hspec_jax.models.layers import INIT_STD, MLP, RMSNorm, dense, dot_product_attention, rms_norm
+from hspec_jax.models.layers import INIT_STD, MLP, RMSNorm, dense, rms_norm
 from hspec_jax.models.rope import apply_rope, inverse_frequencies
 
-# Inputs longer than this (prompts) use `blocked_attention`; decoding and verification steps use the dense form.
+# Attention is `blocked_attention` for every input: a prompt (more than LONG_INPUT tokens) in its default tiles;
+# a decoding or verification step in key blocks of DECODE_BLOCK_K rows, so a step reads only the key blocks up to
+# the batch's longest sequence, not the whole cache (at batch 16 and 768 cache rows on 2 CPU cores: 60 ms per
+# SmolLM2 step instead of 132 ms with the dense `[B, N, T, S]` form, the same at batch 1;
+# benchmarks/results/data_engine.md).
 LONG_INPUT = 256
+DECODE_BLOCK_K = 128
 
 
 class DecoderOutput(NamedTuple):
     logits: jax.Array  # [B, T, V] float32 (or [B, P, V] at `logit_indices`)
     hidden: tuple[jax.Array, ...]  # one [B, T, D] per requested tap, in request order
     cache: KVCache  # with this call's rows written at lengths[b] + t; lengths unchanged
-
-
-def causal_mask(
-    rows: jax.Array, num_keys: int, window: int | None = None, doc_starts: jax.Array | None = None
-) -> jax.Array:
-    """`[B, T, S]`: key row j is visible to the query in cache row `rows[b, t]` iff j <= row (and row - j < window,
-    and j >= `doc_starts[b, t]`, the first row of the query's document when documents are packed in a row)."""
-    keys = jnp.arange(num_keys)[None, None, :]
-    row = rows[:, :, None]
-    mask = keys <= row
-    if window is not None:
-        mask &= keys > row - window
-    if doc_starts is not None:
-        mask &= keys >= doc_starts[:, :, None]
-    return mask
 
 
 class AttentionProjections(nn.Module):
@@ -131,14 +121,12 @@ class SelfAttention(AttentionProjections):
         cache = cache.write(index, k, v, starts)
         k_buf, v_buf = cache.layer(index)
         rows = starts[:, None] + jnp.arange(x.shape[1])[None, :]
-        if x.shape[1] > LONG_INPUT:  # a prompt or a packed training row: never materialise [T, S] scores
-            first = doc_starts
-            if self.window is not None:
-                lowest = rows - self.window + 1
-                first = lowest if first is None else jnp.maximum(first, lowest)
-            out = blocked_attention(q, k_buf, v_buf, rows, first)
-        else:
-            out = dot_product_attention(q, k_buf, v_buf, causal_mask(rows, k_buf.shape[1], self.window, doc_starts))
+        first = doc_starts
+        if self.window is not None:
+            lowest = rows - self.window + 1
+            first = lowest if first is None else jnp.maximum(first, lowest)
+        block_k = {} if x.shape[1] > LONG_INPUT else {"block_k": DECODE_BLOCK_K}
+        out = blocked_attention(q, k_buf, v_buf, rows, first, **block_k)
         return self.output(out), cache
 
 

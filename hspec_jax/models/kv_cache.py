@@ -48,10 +48,28 @@ class KVBuffers:
         k_new, v_new = write_rows(self.k[i], k, starts), write_rows(self.v[i], v, starts)
         return self.replace(k=(*self.k[:i], k_new, *self.k[i + 1 :]), v=(*self.v[:i], v_new, *self.v[i + 1 :]))
 
+    def slot(self, s: jax.Array):
+        """Sequence `s` (a traced index) alone: batch 1, its rows copied out (the paged pool's accessor)."""
+        take = lambda x: jax.lax.dynamic_slice_in_dim(x, s, 1)
+        return self.replace(k=tuple(map(take, self.k)), v=tuple(map(take, self.v)))
+
+    def with_slot(self, s: jax.Array, view):
+        """These buffers after `view = self.slot(s)` was written to: its rows put back in place."""
+        put = lambda x, row: jax.lax.dynamic_update_slice_in_dim(x, row, s, 0)
+        return self.replace(k=tuple(map(put, self.k, view.k)), v=tuple(map(put, self.v, view.v)))
+
 
 @flax.struct.dataclass
 class KVCache(KVBuffers):
     lengths: jax.Array  # [B] int32, committed rows per sequence
+
+    def slot(self, s: jax.Array):
+        """Sequence `s` (a traced index) alone, batch 1, with its committed length."""
+        return KVBuffers.slot(self, s).replace(lengths=jax.lax.dynamic_slice_in_dim(self.lengths, s, 1))
+
+    def with_slot(self, s: jax.Array, view):
+        """This cache after `view = self.slot(s)` was written to and committed."""
+        return KVBuffers.with_slot(self, s, view).replace(lengths=self.lengths.at[s].set(view.lengths[0]))
 
 
 def init_cache(config: TargetConfig, batch_size: int, capacity: int, dtype=None) -> KVCache:

@@ -98,7 +98,8 @@ def for_backend(params: dict) -> dict:
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Masked grouped-query attention, softmax in fp32.
+    """Masked grouped-query attention, softmax in fp32: the readable reference that `blocked_attention` (what the
+    decoder runs) is tested against.
 
     q `[B, T, N, H]`; k, v `[B, S, K, H]` with N a multiple of K (query head n uses KV head n // G);
     mask `[B, T, S]` bool (True = may attend). Returns `[B, T, N, H]` in q.dtype.
@@ -111,3 +112,19 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def causal_mask(
+    rows: jax.Array, num_keys: int, window: int | None = None, doc_starts: jax.Array | None = None
+) -> jax.Array:
+    """The mask of `dot_product_attention` for a causal layer, `[B, T, S]`: key row j is visible to the query in
+    cache row `rows[b, t]` iff j <= row (and row - j < window, and j >= `doc_starts[b, t]`, the first row of the
+    query's document when documents are packed in a row)."""
+    keys = jnp.arange(num_keys)[None, None, :]
+    row = rows[:, :, None]
+    mask = keys <= row
+    if window is not None:
+        mask &= keys > row - window
+    if doc_starts is not None:
+        mask &= keys >= doc_starts[:, :, None]
+    return mask

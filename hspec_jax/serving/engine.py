@@ -42,10 +42,14 @@ from hspec_jax.decoding.autoregressive import decode_chunk, prefill, start_decod
 from hspec_jax.decoding.sampling import SamplingConfig
 from hspec_jax.decoding.speculative import spec_decode_chunk, spec_prefill
 from hspec_jax.drafters.config import DrafterConfig, check_target
+from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.drafters.vocab import DraftVocab
 from hspec_jax.models.config import TargetConfig
+from hspec_jax.models.kv_cache import KVBuffers, init_cache
 from hspec_jax.serving.allocator import PageAllocator, pages_for
 from hspec_jax.serving.paged import PagedBuffers, paged_cache, paged_context
+
+LAYOUTS = ("paged", "dense")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +57,7 @@ class ServingConfig:
     """Static engine settings: the shapes every jitted step is compiled for, and the decoding rule."""
 
     slots: int  # sequences decoded together (the batch of every decoding step)
-    num_pages: int  # pages in the pool, the null page included
+    num_pages: int | None = None  # pages in the pool, the null page included; None: every slot at its longest
     page_size: int = 16  # rows per page
     max_prompt_tokens: int = 512  # longer prompts are refused; with the new tokens, sets the pages per sequence
     max_new_tokens: int = 64
@@ -63,14 +67,17 @@ class ServingConfig:
     eos_ids: tuple[int, ...] = ()
     pad_id: int = 0
     seed: int = 0
+    layout: str = "paged"  # "paged": the shared pool; "dense": one contiguous cache row per slot (no gather)
 
     def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         for name in ("slots", "page_size", "max_prompt_tokens", "max_new_tokens", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.steps_per_iteration < 1:
             raise ValueError(f"steps_per_iteration must be >= 1, got {self.steps_per_iteration}")
-        if self.num_pages < 2:
+        if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (the null page and one more), got {self.num_pages}")
 
 
@@ -136,7 +143,12 @@ _SHARED_FIELDS = ("step", "rng")  # loop-state fields of the whole batch; every 
 
 
 def _slot_of(context, slot):
-    return context.slot(slot) if isinstance(context, PagedBuffers) else context
+    return context.slot(slot) if _has_rows(context) else context
+
+
+def _has_rows(context) -> bool:
+    """Whether a drafter-side cache is there (DFlash/DSpark), paged or dense; () stands for none."""
+    return isinstance(context, PagedBuffers | KVBuffers)
 
 
 def _start_one(target_params, target, drafter_params, drafter, vocab, cache, context, tokens, length, rng, **kw):
@@ -180,7 +192,7 @@ def prefill_slot(
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
     one, view, view_context = _start_one(*models, cache.slot(slot), _slot_of(context, slot), tokens, length, rng, **kw)
     cache = cache.with_slot(slot, view)
-    if isinstance(context, PagedBuffers):
+    if _has_rows(context):
         context = context.with_slot(slot, view_context)
 
     def put(rows, row):
@@ -227,9 +239,20 @@ class ServingEngine:
         self.model, self.config, self.clock = model, config, clock
         c = config
         self.max_pages = pages_for(c.max_prompt_tokens + c.max_new_tokens + model.lookahead, c.page_size)
-        self.allocator = PageAllocator(c.num_pages, c.slots, self.max_pages, c.page_size)
-        self.cache = paged_cache(model.target, c.slots, c.num_pages, c.page_size, self.max_pages)
-        self.context = paged_context(model.drafter, self.cache)
+        num_pages = c.num_pages or c.slots * self.max_pages + 1
+        if c.layout == "dense" and num_pages != c.slots * self.max_pages + 1:
+            raise ValueError(
+                f"the dense layout holds every slot at its longest ({c.slots * self.max_pages + 1} pages); "
+                f"leave num_pages unset, got {num_pages}"
+            )
+        self.allocator = PageAllocator(num_pages, c.slots, self.max_pages, c.page_size)
+        if c.layout == "dense":
+            rows = self.max_pages * c.page_size
+            self.cache = init_cache(model.target, c.slots, rows)
+            self.context = () if model.drafter is None else drafter_context(model.drafter, c.slots, rows)
+        else:
+            self.cache = paged_cache(model.target, c.slots, num_pages, c.page_size, self.max_pages)
+            self.context = paged_context(model.drafter, self.cache)
         self._kw = dict(max_new_tokens=c.max_new_tokens, sampling=c.sampling, eos_ids=c.eos_ids, pad_id=c.pad_id)
         self.state = self._empty_state()
         self.queue: collections.deque[tuple[Request, float, int]] = collections.deque()
@@ -439,7 +462,7 @@ class ServingEngine:
 
     def _sync_table(self) -> None:
         """Copy the allocator's page table to the device caches after a change."""
-        if not self._table_dirty:
+        if not self._table_dirty or self.config.layout == "dense":
             return
         self.cache = self.cache.replace(page_table=jnp.asarray(self.allocator.table))
         if isinstance(self.context, PagedBuffers):  # its own copy: both caches are donated to the same call
