@@ -418,3 +418,42 @@ def test_committed_smollm2_data_matches_its_record_and_holds_no_evaluation_promp
         roles = {tuple(m["role"] for m in c.messages if m["role"] != "system") for c in conversations}
         assert roles == {("user", "assistant")}
         assert exclude_eval_prompts(conversations, texts)[1] == 0
+
+
+def test_near_duplicates_drop_reworded_prompts_and_keep_distinct_ones():
+    from train.dedup import NearDuplicates, jaccard, shingles
+
+    index = NearDuplicates(threshold=0.7)
+    base = "Write a detailed essay about the history of the Roman empire and its fall in the fifth century"
+    assert index.add(base)
+    assert not index.add(base.upper() + "!!")  # the same words after normalisation
+    assert not index.add(base.replace("century", "centuries"))  # the last word changed: Jaccard 15/17
+    assert index.seen(base + " please") and not index.seen("Explain how photosynthesis works in plants")
+    assert index.add("Write a detailed essay about the history of the Ottoman empire and its rise to power")
+    assert index.add("Continue") and not index.add("continue.") and index.add("Continue the story")
+    assert len(index.kept) == 3
+    assert jaccard(shingles("a b c d"), shingles("a b c d")) == 1.0
+    with pytest.raises(ValueError, match="threshold"):
+        NearDuplicates(0)
+
+
+def test_regenerate_drops_near_duplicates_of_records_and_evaluation_prompts():
+    from train.dedup import NearDuplicates
+    from train.regenerate import new_prompts
+
+    def one(i, text):
+        return Conversation(str(i), "test", [{"role": "user", "content": text}])
+
+    near = NearDuplicates(0.7)
+    near.add("What is the capital of France and what is its population today")  # an evaluation prompt
+    conversations = [
+        one(0, "What is the capital of France and what is its population right now"),  # near the evaluation one
+        one(1, "Tell me a story about a dragon who learns to read books in a library"),
+        one(2, "Tell me a story about a dragon who learns to read books in a big library"),  # near 1
+        one(3, "Summarise the plot of Hamlet in three sentences for a student"),  # near the record below
+        one(4, "List five prime numbers"),
+    ]
+    hamlet = "Summarise the plot of Hamlet in three sentences for a student please"
+    records = [{"id": "r", "messages": [{"role": "user", "content": hamlet}]}]
+    todo, repeats = new_prompts(conversations, records, max_turns=1, near=near)
+    assert [c.id for c in todo] == ["1", "4"] and repeats == 3

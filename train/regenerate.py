@@ -253,7 +253,9 @@ def main(argv=None) -> int:
             out.append(records)
             written += len(records)
             bar.update(written + engine.skipped - bar.n)
-            bar.set_postfix(written=written, tok_s=f"{engine.tokens / (time.perf_counter() - start):.0f}")
+            bar.set_postfix(
+                written=written, tok_s=f"{engine.tokens / (time.perf_counter() - start):.0f}", refresh=False
+            )
         bar.close()
     seconds = time.perf_counter() - start
     log.info(
