@@ -431,7 +431,7 @@ def test_near_duplicates_drop_reworded_prompts_and_keep_distinct_ones():
     assert index.seen(base + " please") and not index.seen("Explain how photosynthesis works in plants")
     assert index.add("Write a detailed essay about the history of the Ottoman empire and its rise to power")
     assert index.add("Continue") and not index.add("continue.") and index.add("Continue the story")
-    assert len(index.kept) == 3
+    assert len(index.kept) == 4
     assert jaccard(shingles("a b c d"), shingles("a b c d")) == 1.0
     with pytest.raises(ValueError, match="threshold"):
         NearDuplicates(0)
