@@ -5,7 +5,7 @@ Each tool (`eval.generate`, `eval.params`, `eval.memory`, `hspec_jax.checkpoints
 
     error: <one line>      on stderr, exit 2 for a malformed argument, 1 for bad input (`InputError`, a file
                            that cannot be read or written: the message names it; a full disk: "no space left")
-    interrupted            on Ctrl-C, exit 130
+    interrupted[: where]   on Ctrl-C, exit 130 (a tool may say where it stopped in the KeyboardInterrupt)
     a traceback            for anything else: that is a bug
 """
 
@@ -24,11 +24,16 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 EXIT_INTERRUPTED = 130
 
 
+def usage_error(prog: str, message: str) -> str:
+    """The one line for a malformed argument (printed with exit status 2)."""
+    return f"error: {message} (see {prog} --help)\n"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with a one-line error instead of usage + error."""
 
     def error(self, message: str):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+        self.exit(2, usage_error(self.prog, message))
 
 
 def _number(kind: type, text: str):
@@ -113,8 +118,8 @@ def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) 
     """Call a tool's `main(argv)`, turning known errors into one line on stderr and an exit status."""
     try:
         return main(argv)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
