@@ -105,6 +105,20 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def check_output_dir(path: str, flag: str = "--out") -> None:
+    """`path` is a directory or can be created as one (not a file, under a writable directory): checked before
+    any work, an `InputError` naming `flag` otherwise."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise InputError(f"{flag} {path} is not a directory")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise InputError(f"{flag} {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {path}: {parent} is not writable")
+
+
 def os_error_line(e: OSError) -> str:
     """One line for a failed file operation, naming the file (and for a full disk, its directory)."""
     name = e.filename if e.filename is not None else None

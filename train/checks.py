@@ -12,6 +12,7 @@ import os
 
 import ml_collections
 
+from hspec_jax.cli import check_output_dir
 from hspec_jax.errors import InputError
 from hspec_jax.models import TargetConfig
 from hspec_jax.recipes import drafter_from_recipe
@@ -92,23 +93,10 @@ def check_sources(spec: str) -> None:
             raise InputError(f"--config.data.sources: data source file {source.location!r} does not exist")
 
 
-def check_workdir(workdir: str) -> None:
-    """`workdir` is a directory or can be created as one."""
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
-        raise InputError(f"--workdir {workdir} is not a directory")
-    parent = workdir
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise InputError(f"--workdir {workdir}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"--workdir {workdir}: {parent} is not writable")
-
-
 def check_recipe(config: ml_collections.ConfigDict, workdir: str) -> TargetConfig:
     """Every check that needs neither weights nor data; returns the target's config."""
     check_numbers(config)
-    check_workdir(workdir)
+    check_output_dir(workdir, "--workdir")
     check_sources(config.data.sources)
     target = target_config(config.target.path)
     drafter = drafter_from_recipe(config, target=target)
