@@ -220,3 +220,49 @@ def test_ctrl_c_during_training_says_where_and_exits_130(tmp_path):
     assert last.startswith("interrupted: stopped during step ") and "last checkpoint: step " in last
     steps = sorted(int(s) for s in os.listdir(tmp_path / "run" / "checkpoints") if s.isdigit())
     assert f"last checkpoint: step {steps[-1]} " in last
+
+
+def test_eval_and_data_tools_refuse_bad_output_and_arguments_in_one_line(tmp_path, capsys):
+    from eval import main as eval_main
+    from eval import serving
+    from hspec_jax.cli import run
+    from train import compare_runs, synthesize
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    other = write_jsonl(tmp_path / "other.jsonl", [json.dumps({"a": 1})])
+    cases = [
+        (eval_main.main, ["--target", "random:tiny", "--out", str(afile)], 1, f"--out {afile} is not a directory"),
+        (
+            eval_main.main,
+            ["--target", "random:tiny", "--out", str(tmp_path / "o"), "--num-prompts", "0"],
+            2,
+            "--num-prompts",
+        ),
+        (serving.main, ["--target", "random:tiny", "--out", str(afile)], 1, f"--out {afile} is not a directory"),
+        (synthesize.main, ["--target", "tiny", "--out", str(tmp_path), "--num", "2"], 1, "is a directory"),
+        (synthesize.main, ["--target", "/nope", "--out", str(tmp_path / "s.jsonl"), "--num", "2"], 1, "/nope"),
+        (synthesize.main, ["--target", "tiny", "--out", other, "--num", "2"], 1, "not this tool's instructions"),
+        (synthesize.main, ["--out", str(tmp_path / "s.jsonl"), "--num", "2", "--top-p", "2"], 2, "--top-p"),
+        (compare_runs.main, [str(tmp_path / "nope")], 1, "metrics.jsonl does not exist"),
+        (compare_runs.main, [str(tmp_path), "--last", "0"], 2, "--last"),
+    ]
+    for main, argv, code, part in cases:
+        try:
+            status = run(main, argv)
+        except SystemExit as e:
+            status = e.code
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert_one_error(status, lines, code, part)
+    assert sorted(os.listdir(tmp_path)) == ["afile", "other.jsonl"]
+
+
+def test_compare_runs_skips_a_line_cut_by_a_kill_and_names_a_bad_one(tmp_path):
+    from train.compare_runs import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [1]
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n{"step": 3}\n')
+    with pytest.raises(InputError, match=r"metrics.jsonl:2: not a JSON record"):
+        read_metrics(str(tmp_path))
