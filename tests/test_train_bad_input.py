@@ -266,3 +266,15 @@ def test_compare_runs_skips_a_line_cut_by_a_kill_and_names_a_bad_one(tmp_path):
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n{"step": 3}\n')
     with pytest.raises(InputError, match=r"metrics.jsonl:2: not a JSON record"):
         read_metrics(str(tmp_path))
+
+
+def test_tensorboard_groups_training_and_held_out_scalars():
+    from train.loop import scalar_tag
+
+    assert [scalar_tag(n) for n in ("loss", "acc_1", "tokens_per_s", "tau", "accept_3")] == [
+        "train/loss",
+        "train/acc_1",
+        "train/tokens_per_s",
+        "eval/tau",
+        "eval/accept_3",
+    ]

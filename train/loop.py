@@ -326,6 +326,14 @@ def _logged_step(line: str) -> int | None:
         return None
 
 
+EVAL_SCALARS = ("tau", "accept_")  # what `real_tau` measures with the engine on held-out prompts
+
+
+def scalar_tag(name: str) -> str:
+    """TensorBoard's tag of a logged value: `eval/` for the engine's held-out measurements, `train/` for the rest."""
+    return f"eval/{name}" if name.startswith(EVAL_SCALARS) else f"train/{name}"
+
+
 class MetricsLog:
     """metrics.jsonl (truncated to the resumed step, so a resumed run's log has each step once) and TensorBoard."""
 
@@ -352,7 +360,7 @@ class MetricsLog:
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
         for name, value in values.items():
-            self.writer.add_scalar(name, value, step)
+            self.writer.add_scalar(scalar_tag(name), value, step)
         self.writer.flush()
 
     def close(self) -> None:
