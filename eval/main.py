@@ -56,13 +56,12 @@ from eval.memory import kv_bytes_per_token
 from eval.prompts import Prompt, load_prompts, parse_tasks
 from eval.report import PLAIN, write_report
 from hspec_jax.checkpoints import CheckpointError, load_target, load_tokenizer
-from hspec_jax.cli import ArgumentParser, check_output_dir, positive_int, run
+from hspec_jax.cli import DEFAULT_COMPILE_CACHE, ArgumentParser, check_output_dir, positive_int, run
 from hspec_jax.decoding import SamplingConfig, bucketed_shapes, pad_batch
 from hspec_jax.models import check_capacity, init_params
 from hspec_jax.recipes import load_config, target_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_COMPILE_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hspec_jax", "xla")
 RANDOM_TARGET_SCALE = 4.0  # random targets: 2-D weights x4, so greedy argmaxes are far from ties
 
 

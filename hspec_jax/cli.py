@@ -21,6 +21,8 @@ from collections.abc import Callable
 from hspec_jax.errors import InputError, is_no_space
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+# Where the tools keep compiled XLA programs between runs (a rerun loads them instead of compiling again).
+DEFAULT_COMPILE_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hspec_jax", "xla")
 EXIT_INTERRUPTED = 130
 
 

@@ -217,7 +217,7 @@ def test_ctrl_c_during_training_says_where_and_exits_130(tmp_path):
     _, err = proc.communicate(timeout=120)
     last = err.decode().strip().replace("\r", "\n").splitlines()[-1]
     assert proc.returncode == 130 and b"Traceback" not in err
-    assert last.startswith("interrupted: stopped during step ") and "last checkpoint: step " in last
+    assert last.startswith("interrupted: stopped after step ") and "last checkpoint: step " in last
     steps = sorted(int(s) for s in os.listdir(tmp_path / "run" / "checkpoints") if s.isdigit())
     assert f"last checkpoint: step {steps[-1]} " in last
 

@@ -482,12 +482,13 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
             json.dump(run.data_report, f, indent=2)
     last: dict = {}
     tokens_done, clock = 0, time.perf_counter()
-    bar = tqdm(total=tc.num_steps, initial=start, desc="train", disable=jax.process_index() != 0)
-    step = start
+    done, bar = start, None
     try:
+        bar = tqdm(total=tc.num_steps, initial=start, desc="train", disable=jax.process_index() != 0)
         for step in range(start + 1, tc.num_steps + 1):
             local = next(run.iterator)
             state, metrics = step_fn(state, run.target_params, run.vocab, global_batch(run, local))
+            done = step
             tokens_done += int(np.sum(np.asarray(local["doc_ids"]) >= 0)) * jax.process_count()
             if step % tc.log_every == 0 or step == tc.num_steps:
                 last = scalars(metrics)
@@ -510,11 +511,12 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 manager.wait_until_finished()
                 export_drafter(run, state.params, step, last)
     except KeyboardInterrupt:
-        bar.close()
+        if bar is not None:
+            bar.close()
         saved = manager.latest_step()
         where = f"step {saved} in {os.path.join(workdir, 'checkpoints')}" if saved is not None else "none yet"
         raise KeyboardInterrupt(
-            f"stopped during step {step} of {tc.num_steps}; last checkpoint: {where}; run the same command to resume"
+            f"stopped after step {done} of {tc.num_steps}; last checkpoint: {where}; run the same command to resume"
         ) from None
     bar.close()
     metrics_log.close()

@@ -52,6 +52,12 @@ flags.DEFINE_string("workdir", None, "directory for checkpoints, logs and the ex
 flags.DEFINE_string("coordinator", None, "multi-process: address HOST:PORT of process 0's coordinator")
 flags.DEFINE_integer("num_processes", None, "multi-process: number of processes")
 flags.DEFINE_integer("process_id", None, "multi-process: index of this process")
+flags.DEFINE_string(
+    "compile_cache",
+    cli.DEFAULT_COMPILE_CACHE,
+    "persistent XLA compilation cache directory ('' for none; one process only): a rerun or resume loads the "
+    "set-up's and the step's compiled programs instead of compiling them again",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -112,6 +118,10 @@ def main(argv) -> int:
     if FLAGS.coordinator:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
+    elif FLAGS.compile_cache and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        # Not across processes: jax 0.10 on CPU loads collectives that disagree between them.
+        jax.config.update("jax_compilation_cache_dir", FLAGS.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     from train.loop import train
 
     result = train(FLAGS.config, FLAGS.workdir)
