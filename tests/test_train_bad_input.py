@@ -278,3 +278,17 @@ def test_tensorboard_groups_training_and_held_out_scalars():
         "eval/tau",
         "eval/accept_3",
     ]
+
+
+def test_a_work_directory_from_before_recipe_json_is_checked_against_its_exported_recipe(tmp_path):
+    from train.checks import check_resume
+
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "training.json").write_text(
+        json.dumps({"step": 3, "recipe": load_config("tiny").to_dict()})
+    )
+    check_resume(load_config("tiny"), str(tmp_path))
+    other = load_config("tiny")
+    other.drafter.kind = "dspark"
+    with pytest.raises(InputError, match=r"drafter.kind='hspec' \(requested 'dspark'\)"):
+        check_resume(other, str(tmp_path))

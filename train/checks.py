@@ -139,8 +139,12 @@ def recipe_differences(recorded: dict, requested: dict) -> list[str]:
 
 
 def read_recorded_recipe(workdir: str) -> dict | None:
-    """The recipe `workdir/recipe.json` holds, None for a new work directory."""
+    """The recipe `workdir/recipe.json` holds (a work directory from before that file: the recipe its exported
+    drafter's `training.json` records), None for a new work directory."""
     path = os.path.join(workdir, RECIPE_FILE)
+    exported = os.path.join(workdir, "drafter", "training.json")
+    if not os.path.exists(path) and os.path.exists(exported):
+        path = exported
     if not os.path.exists(path):
         return None
     try:
@@ -148,6 +152,8 @@ def read_recorded_recipe(workdir: str) -> dict | None:
             recorded = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"{path} is damaged ({e}); restore it or use a new --workdir") from None
+    if path == exported and isinstance(recorded, dict):
+        recorded = recorded.get("recipe")
     if not isinstance(recorded, dict):
         raise InputError(f"{path} does not hold a recipe; restore it or use a new --workdir")
     return recorded
