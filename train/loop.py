@@ -511,14 +511,14 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 manager.wait_until_finished()
                 export_drafter(run, state.params, step, last)
     except KeyboardInterrupt:
-        if bar is not None:
-            bar.close()
         saved = manager.latest_step()
         where = f"step {saved} in {os.path.join(workdir, 'checkpoints')}" if saved is not None else "none yet"
         raise KeyboardInterrupt(
             f"stopped after step {done} of {tc.num_steps}; last checkpoint: {where}; run the same command to resume"
         ) from None
-    bar.close()
-    metrics_log.close()
-    manager.close()
+    finally:  # the writers' threads would keep an interrupted process alive
+        if bar is not None:
+            bar.close()
+        metrics_log.close()
+        manager.close()
     return {"resumed_from": start, **last}
