@@ -395,18 +395,35 @@ def lock_workdir(workdir: str):
     return handle
 
 
-def damaged_file(step_dir: str, error: BaseException) -> str:
-    """The file of a checkpoint step that a failed restore points at: an empty file of the step (a write cut
-    short), else the step's path that the error names, else the step directory."""
+def empty_file(step_dir: str) -> str | None:
+    """An empty file of a checkpoint step (a write cut short: a whole checkpoint has none), else None."""
     for root, _, files in sorted(os.walk(step_dir)):
         for name in sorted(files):
             if os.path.getsize(os.path.join(root, name)) == 0:
                 return os.path.join(root, name)
+    return None
+
+
+def named_file(step_dir: str, error: BaseException) -> str:
+    """The file of a checkpoint step that a failed restore's error names, else the step directory."""
     for cause in causes(error):
         for word in str(cause).replace('"', " ").replace("'", " ").split():
             if word.startswith(step_dir + os.sep):
                 return word.rstrip(".,:;)")
     return step_dir
+
+
+def restore_damage(manager: ocp.CheckpointManager, step: int, step_dir: str, args) -> tuple[dict | None, str]:
+    """(restored items, "") of a whole checkpoint, or (None, "FILE: what is wrong") of a damaged one. An empty file
+    is found before Orbax reads anything (its failed reads leave tracebacks from background threads)."""
+    empty = empty_file(step_dir)
+    if empty is not None:
+        return None, f"{empty}: empty file"
+    try:
+        return manager.restore(step, args=args), ""
+    except Exception as e:  # any failure to read a checkpoint of the checked recipe is damage
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return None, f"{named_file(step_dir, e)}: {reason if len(reason) <= 160 else reason[:160] + '...'}"
 
 
 def restore_latest(workdir: str, manager: ocp.CheckpointManager, run: Run, state: TrainState):
@@ -415,39 +432,34 @@ def restore_latest(workdir: str, manager: ocp.CheckpointManager, run: Run, state
     `workdir/damaged/STEP`, with a warning naming it, and the one before it restored; an error when none is
     left."""
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    args = ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(run.iterator)
+    )
     while (step := manager.latest_step()) is not None:
         step_dir = os.path.join(workdir, "checkpoints", str(step))
-        try:
-            restored = manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(run.iterator)
-                ),
-            )
+        restored, damage = restore_damage(manager, step, step_dir, args)
+        if restored is not None:
             log.info("resumed from step %d", step)
             return manager, restored["state"], step
-        except Exception as e:
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            where = damaged_file(step_dir, e)
-            earlier = [s for s in manager.all_steps() if s < step]
-            if not earlier:
-                raise InputError(
-                    f"checkpoint step {step} is damaged ({where}: {reason[:200]}) and no earlier one is left: "
-                    f"move {step_dir} away to start over, or use a new --workdir"
-                ) from None
-            aside = os.path.join(workdir, "damaged", str(step))
-            multihost_utils.sync_global_devices(f"checkpoint {step} found damaged")
-            if jax.process_index() == 0:
-                os.makedirs(os.path.dirname(aside), exist_ok=True)
-                os.replace(step_dir, aside if not os.path.exists(aside) else f"{aside}-{int(time.time())}")
-            multihost_utils.sync_global_devices(f"checkpoint {step} moved aside")
-            print(
-                f"warning: checkpoint step {step} is damaged ({where}: {reason[:200]}); moved it to {aside} and "
-                f"resuming from step {max(earlier)}",
-                file=sys.stderr,
+        earlier = [s for s in manager.all_steps() if s < step]
+        if not earlier:
+            raise InputError(
+                f"checkpoint step {step} is damaged ({damage}) and no earlier one is left: move {step_dir} away "
+                "to start over, or use a new --workdir"
             )
-            manager.close()
-            manager = checkpoint_manager(workdir, run.config.train.keep_checkpoints)
+        aside = os.path.join(workdir, "damaged", str(step))
+        multihost_utils.sync_global_devices(f"checkpoint {step} found damaged")
+        if jax.process_index() == 0:
+            os.makedirs(os.path.dirname(aside), exist_ok=True)
+            os.replace(step_dir, aside if not os.path.exists(aside) else f"{aside}-{int(time.time())}")
+        multihost_utils.sync_global_devices(f"checkpoint {step} moved aside")
+        print(
+            f"warning: checkpoint step {step} is damaged ({damage}); moved it to {aside} and resuming from step "
+            f"{max(earlier)}",
+            file=sys.stderr,
+        )
+        manager.close()
+        manager = checkpoint_manager(workdir, run.config.train.keep_checkpoints)
     return manager, state, 0
 
 
