@@ -56,12 +56,12 @@ from eval.memory import kv_bytes_per_token
 from eval.prompts import Prompt, load_prompts, parse_tasks
 from eval.report import PLAIN, write_report
 from hspec_jax.checkpoints import CheckpointError, load_target, load_tokenizer
+from hspec_jax.cli import DEFAULT_COMPILE_CACHE, ArgumentParser, check_output_dir, positive_int, run
 from hspec_jax.decoding import SamplingConfig, bucketed_shapes, pad_batch
 from hspec_jax.models import check_capacity, init_params
 from hspec_jax.recipes import load_config, target_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_COMPILE_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hspec_jax", "xla")
 RANDOM_TARGET_SCALE = 4.0  # random targets: 2-D weights x4, so greedy argmaxes are far from ties
 
 
@@ -77,7 +77,7 @@ def parse_ks(text: str) -> tuple[int, ...]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m eval.main", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m eval.main", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--target", default="smollm2", help="smollm2, an HF dir, a .gguf, an Orbax dir, random:<recipe>"
     )
@@ -91,7 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(default: each drafter's own)",
     )
     parser.add_argument("--tasks", default="all", help="all, or a comma-separated list such as math,code")
-    parser.add_argument("--num-prompts", type=int, default=None, help="prompts per task, spread evenly (default all)")
+    parser.add_argument(
+        "--num-prompts", type=positive_int, default=None, help="prompts per task, spread evenly (default all)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per turn (default 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (lossless check), or e.g. 1")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts of one task generated together")
@@ -330,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     try:
+        check_output_dir(args.out)
         if args.temperature not in (0.0, 1.0):
             raise ValueError("--temperature must be 0 (greedy) or 1")
         if args.batch_size < 1 or args.max_new_tokens < 1:
@@ -382,4 +385,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

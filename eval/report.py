@@ -283,9 +283,13 @@ def plot(out_dir: str, drafters: list[str], tasks: list[str], by: dict, overall:
 
     def lines(name, curve, ylabel):
         fig, ax = plt.subplots(figsize=(6, 4))
+        longest = 1
         for m in drafters:
             values = curve(overall[m])
-            ax.plot(np.arange(1, len(values) + 1), values, marker="o", label=m)
+            longest = max(longest, len(values))
+            ax.plot(np.arange(1, len(values) + 1), values, marker="o", label=f"{m} ({overall[m].steps} steps)")
+        ax.set_xticks(np.arange(1, longest + 1))  # draft indices are whole numbers
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("draft index i in the block")
         ax.set_ylabel(ylabel)
         ax.set_title(PLOTS[name] + " (all tasks)")

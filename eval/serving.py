@@ -54,6 +54,7 @@ from eval.report import PLAIN, fmt
 from hspec_jax.cli import (
     ArgumentParser,
     byte_size,
+    check_output_dir,
     int_list,
     non_negative_float,
     non_negative_int,
@@ -99,6 +100,7 @@ def parse_args(argv: list[str] | None = None):
 
 
 def check_args(args) -> None:
+    check_output_dir(args.out)
     if args.arrival == "poisson" and (args.rate is None or not args.rate > 0):
         raise InputError("--arrival poisson needs --rate > 0 (requests per second)")
     if args.arrival == "closed" and args.rate is not None:

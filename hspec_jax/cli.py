@@ -5,7 +5,7 @@ Each tool (`eval.generate`, `eval.params`, `eval.memory`, `hspec_jax.checkpoints
 
     error: <one line>      on stderr, exit 2 for a malformed argument, 1 for bad input (`InputError`, a file
                            that cannot be read or written: the message names it; a full disk: "no space left")
-    interrupted            on Ctrl-C, exit 130
+    interrupted[: where]   on Ctrl-C, exit 130 (a tool may say where it stopped in the KeyboardInterrupt)
     a traceback            for anything else: that is a bug
 """
 
@@ -21,14 +21,21 @@ from collections.abc import Callable
 from hspec_jax.errors import InputError, is_no_space
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+# Where the tools keep compiled XLA programs between runs (a rerun loads them instead of compiling again).
+DEFAULT_COMPILE_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hspec_jax", "xla")
 EXIT_INTERRUPTED = 130
+
+
+def usage_error(prog: str, message: str) -> str:
+    """The one line for a malformed argument (printed with exit status 2)."""
+    return f"error: {message} (see {prog} --help)\n"
 
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with a one-line error instead of usage + error."""
 
     def error(self, message: str):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+        self.exit(2, usage_error(self.prog, message))
 
 
 def _number(kind: type, text: str):
@@ -100,6 +107,20 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def check_output_dir(path: str, flag: str = "--out") -> None:
+    """`path` is a directory or can be created as one (not a file, under a writable directory): checked before
+    any work, an `InputError` naming `flag` otherwise."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise InputError(f"{flag} {path} is not a directory")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise InputError(f"{flag} {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {path}: {parent} is not writable")
+
+
 def os_error_line(e: OSError) -> str:
     """One line for a failed file operation, naming the file (and for a full disk, its directory)."""
     name = e.filename if e.filename is not None else None
@@ -113,8 +134,8 @@ def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) 
     """Call a tool's `main(argv)`, turning known errors into one line on stderr and an exit status."""
     try:
         return main(argv)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -3,6 +3,7 @@
 import json
 import os
 
+from hspec_jax.cli import run
 from train import compare_runs
 
 
@@ -52,11 +53,11 @@ def test_records_are_taken_in_step_order(tmp_path):
 
 
 def test_not_a_work_directory_is_a_clear_error(tmp_path, capsys):
-    assert compare_runs.main([str(tmp_path / "nope")]) == 1
+    assert run(compare_runs.main, [str(tmp_path / "nope")]) == 1
     assert "nope/metrics.jsonl does not exist: is" in capsys.readouterr().err
 
 
 def test_empty_metrics_is_a_clear_error(tmp_path, capsys):
     write_run(tmp_path, "empty", [])
-    assert compare_runs.main([str(tmp_path / "empty")]) == 1
+    assert run(compare_runs.main, [str(tmp_path / "empty")]) == 1
     assert "has no records" in capsys.readouterr().err

@@ -107,7 +107,7 @@ def test_sharegpt_package_records():
 
 
 @pytest.mark.parametrize("fmt", ["json", "jsonl", "parquet"])
-def test_local_files_through_datasets(tmp_path, fmt):
+def test_local_files_json_jsonl_and_parquet(tmp_path, fmt):
     records = [
         {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
         {"id": "b", "conversations": [{"from": "gpt", "value": "no user turn"}]},

@@ -11,21 +11,38 @@ the run measured it (`eval_every`).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
+from hspec_jax.cli import ArgumentParser, positive_int, run
+from hspec_jax.errors import InputError
+
 
 def read_metrics(workdir: str) -> list[dict]:
-    """The records of `workdir/metrics.jsonl`, in step order; a clear error when there are none."""
+    """The records of `workdir/metrics.jsonl`, in step order (a last line cut by a kill skipped); an `InputError`
+    naming the file (and line) when there are none or one is not a step's record."""
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} does not exist: is {workdir!r} a train.main work directory?")
+        raise InputError(f"{path} does not exist: is {workdir!r} a train.main work directory?")
     with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+        text = f.read()
+    lines = text.splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines) and not text.endswith("\n"):
+                continue  # a line cut short by a kill
+            raise InputError(f"{path}:{number}: not a JSON record ({e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise InputError(f"{path}:{number}: not a logged step (no integer 'step')")
+        records.append(record)
     if not records:
-        raise ValueError(f"{path} has no records")
+        raise InputError(f"{path} has no records")
     return sorted(records, key=lambda r: r["step"])
 
 
@@ -67,22 +84,18 @@ def table(names: list[str], runs: list[list[dict]], last: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.compare_runs", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m train.compare_runs", description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", help="train.main work directories; NAME=DIR names a run")
-    parser.add_argument("--last", type=int, default=10, help="logged steps to average the per-slot rates over")
+    parser.add_argument("--last", type=positive_int, default=10, help="logged steps to average the per-slot rates over")
     parser.add_argument("--out", help="also write the table to this markdown file")
     args = parser.parse_args(argv)
-    if args.last < 1:
-        parser.error("--last must be >= 1")
+    if args.out and os.path.isdir(args.out):
+        raise InputError(f"--out {args.out} is a directory, not a file")
     names, runs = [], []
-    try:
-        for spec in args.runs:
-            name, _, workdir = spec.rpartition("=")
-            names.append(name or os.path.basename(os.path.normpath(workdir)))
-            runs.append(read_metrics(workdir))
-    except (FileNotFoundError, ValueError) as err:
-        print(f"train.compare_runs: error: {err}", file=sys.stderr)
-        return 1
+    for spec in args.runs:
+        name, _, workdir = spec.rpartition("=")
+        names.append(name or os.path.basename(os.path.normpath(workdir)))
+        runs.append(read_metrics(workdir))
     text = table(names, runs, args.last)
     print(text, end="")
     if args.out:
@@ -92,4 +105,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

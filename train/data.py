@@ -32,6 +32,7 @@ import math
 import os
 import re
 
+from hspec_jax.errors import InputError
 from train.chat import normalize_text, to_messages, user_texts
 
 log = logging.getLogger(__name__)
@@ -169,26 +170,74 @@ def source_fingerprint(source: Source) -> dict:
     return {"file": os.path.basename(path), "sha256": digest.hexdigest()}
 
 
-def load_records(source: Source) -> list[dict]:
-    """The raw records of one source (sharegpt from its package; files and hub datasets through `datasets`)."""
-    if source.location == "sharegpt":
-        return sharegpt_records()
-    import datasets
+def json_records(path: str) -> list[tuple[int, dict]]:
+    """(line number, record) of each record of a local JSON file: a JSON array, or JSON Lines (one object per
+    line, blank lines skipped). A line or array that is not JSON, or a record that is not an object, is an
+    `InputError` naming the file and line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        numbered = [(1, r) for r in records]
+    else:
+        numbered = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                numbered.append((number, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{number}: not a JSON record ({e.msg})") from None
+    for number, record in numbered:
+        if not isinstance(record, dict):
+            raise InputError(f"{path}:{number}: a record must be a JSON object, got {type(record).__name__}")
+    return numbered
 
+
+def parquet_records(path: str) -> list[tuple[int, dict]]:
+    """(row number, record) of each row of a local parquet file; an unreadable file is an `InputError`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as e:
+        raise InputError(f"{path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
+    return list(enumerate(rows, 1))
+
+
+def load_records(source: Source) -> list[tuple[int, dict]]:
+    """(line or row number, raw record) of one source (sharegpt from its package, numbered by record; local
+    files read here; hub datasets through `datasets`)."""
+    if source.location == "sharegpt":
+        return list(enumerate(sharegpt_records(), 1))
     if source.location.startswith("hf:"):
+        import datasets
+
         name, _, split = source.location[3:].partition("@")
-        return datasets.load_dataset(name, split=split or "train").to_list()
+        return list(enumerate(datasets.load_dataset(name, split=split or "train").to_list(), 1))
     if not os.path.isfile(source.location):
-        raise ValueError(f"data source file {source.location!r} does not exist")
-    kind = FILE_FORMATS[os.path.splitext(source.location)[1].lower()]
-    return datasets.load_dataset(kind, data_files=source.location, split="train").to_list()
+        raise InputError(f"data source file {source.location!r} does not exist")
+    if FILE_FORMATS[os.path.splitext(source.location)[1].lower()] == "parquet":
+        return parquet_records(source.location)
+    return json_records(source.location)
 
 
 def load_conversations(source: Source) -> list[Conversation]:
-    """The usable conversations of a source, cleaned by `to_messages` (logs how many records were unusable)."""
+    """The usable conversations of a source, cleaned by `to_messages` (logs how many records were unusable); a
+    record in neither form is an `InputError` naming the file and line."""
     conversations, unusable = [], 0
-    for index, record in enumerate(load_records(source)):
-        messages = to_messages(record)
+    for index, (number, record) in enumerate(load_records(source)):
+        try:
+            messages = to_messages(record)
+        except (ValueError, TypeError, AttributeError) as e:
+            raise InputError(f"{source.location}:{number}: {e}") from None
         if messages is None:
             unusable += 1
             continue
@@ -232,6 +281,6 @@ def load_mixture(spec: str, exclude_texts=None) -> list[LoadedSource]:
         kept, dropped = exclude_eval_prompts(load_conversations(source), texts)
         log.info("%s: %d conversations dropped because a user turn is an evaluation prompt", source.name, dropped)
         if not kept:
-            raise ValueError(f"data source {source.name!r} has no usable conversation")
+            raise InputError(f"data source {source.name!r} ({source.location}) has no usable conversation")
         loaded.append(LoadedSource(source, kept, dropped))
     return loaded

@@ -11,6 +11,8 @@ import json
 import logging
 import os
 
+from hspec_jax.errors import InputError
+
 log = logging.getLogger(__name__)
 
 
@@ -35,7 +37,9 @@ class JsonlAppender:
                 try:
                     self.records.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{number} is not a JSON record ({e}); not a file of this tool?") from e
+                    raise InputError(
+                        f"{path}:{number} is not a JSON record ({e.msg}); not a file of this tool?"
+                    ) from None
         else:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._file = open(path, "ab")  # noqa: SIM115 (held open across appends, closed by close())

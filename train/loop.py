@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import time
 
 import grain
@@ -37,12 +38,14 @@ from hspec_jax.decoding.speculative import speculative_generate
 from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.config import DrafterConfig
 from hspec_jax.drafters.vocab import DraftVocab, draft_vocab_from_counts, vocab_from_ids
+from hspec_jax.errors import InputError, causes
 from hspec_jax.recipes import drafter_from_recipe
 from train.chat import user_texts
+from train.checks import check_recipe, record_recipe
 from train.data import load_mixture, source_fingerprint
 from train.losses import recipe_weights
 from train.optim import make_optimizer
-from train.pipeline import BATCH_KEYS, make_train_iterator, supervised_token_counts
+from train.pipeline import BATCH_KEYS, make_train_iterator, sampled_token_counts
 from train.step import StepConfig, TrainState, make_train_step
 from train.targets import load_target_and_tokenizer
 
@@ -73,12 +76,12 @@ def warm_start_vocab(spec: str, drafter: DrafterConfig) -> DraftVocab:
     try:
         config, vocab, _ = read_drafter_meta(spec, drafter.target)
     except CheckpointError as e:
-        raise ValueError(f"train.init_from={spec!r}: {e}") from None
+        raise InputError(f"--config.train.init_from={spec!r}: {e}") from None
     ours, theirs = config_to_dict(drafter)["fields"], config_to_dict(config)["fields"]
     differ = sorted(k for k in ours if k not in ("dtype", "param_dtype") and ours[k] != theirs[k])
     if config.family is not drafter.family or differ:
         fields = ", ".join(f"{k}={theirs[k]!r} (recipe: {ours[k]!r})" for k in differ) or "the drafter kind"
-        raise ValueError(f"train.init_from={spec!r} does not match the recipe's drafter: {fields}")
+        raise InputError(f"--config.train.init_from={spec!r} does not match the recipe's drafter: {fields}")
     return vocab
 
 
@@ -89,24 +92,29 @@ def warm_start_params(spec: str, drafter: DrafterConfig, target_params: dict) ->
     return jax.tree.map(lambda x: x.astype(drafter.param_dtype), params)
 
 
-def draft_vocabulary(workdir: str, loaded, tokenizer, target, drafter: DrafterConfig, given: DraftVocab | None = None):
+def draft_vocabulary(
+    workdir: str, loaded, tokenizer, target, drafter: DrafterConfig, data: ml_collections.ConfigDict, given=None
+):
     """(draft vocabulary, supervised token counts `[V]`): read from the work directory on resume, else `given`
-    (a fine-tuning run keeps its starting drafter's) or built from the supervised tokens of the training data
-    (top `draft_vocab_size` by frequency, EOS always kept), and written there by process 0 (every process
-    computes the same). Every process looks for the file before process 0 may write it, so all of them take the
-    same branch (and meet at the same barriers) however far apart they start."""
+    (a fine-tuning run keeps its starting drafter's) or built from the supervised tokens of a random sample of
+    the training data (`data.vocab_sample_tokens` of them, drawn with `data.seed`; top `draft_vocab_size` by
+    frequency, EOS always kept), and written there by process 0 (every process computes the same). Every process
+    looks for the file before process 0 may write it, so all of them take the same branch (and meet at the same
+    barriers) however far apart they start."""
     path = os.path.join(workdir, "vocab.npz")
     resuming = os.path.exists(path)
     multihost_utils.sync_global_devices("draft vocabulary looked up")
     if resuming:
         with np.load(path) as stored:
             if stored["d2t"].shape[0] != drafter.vocab_size:
-                raise ValueError(
+                raise InputError(
                     f"{path} holds a draft vocabulary of {stored['d2t'].shape[0]} tokens but the recipe asks for "
                     f"{drafter.vocab_size}: use a new --workdir"
                 )
             return vocab_from_ids(stored["d2t"], target.vocab_size), stored["supervised_counts"]
-    counts = supervised_token_counts(loaded, tokenizer, target.vocab_size)
+    log.info("counting the supervised tokens of a sample of the conversations for the draft vocabulary")
+    counts, read = sampled_token_counts(loaded, tokenizer, target.vocab_size, data.vocab_sample_tokens, data.seed)
+    log.info("draft vocabulary: %d supervised tokens of %d conversations", counts.sum(), read)
     vocab = given
     if vocab is None:
         vocab = draft_vocab_from_counts(counts, drafter.vocab_size, always=target.eos_token_ids)
@@ -136,44 +144,63 @@ def split_held_out(loaded, count: int):
         return loaded, []
     first = loaded[0]
     if len(first.conversations) <= count:
-        raise ValueError(f"source {first.source.name!r} has too few conversations to hold out {count}")
+        raise InputError(
+            f"data source {first.source.name!r} has {len(first.conversations)} conversations, too few to hold out "
+            f"--config.data.held_out_prompts={count}"
+        )
     kept = dataclasses.replace(first, conversations=first.conversations[:-count])
     return [kept, *loaded[1:]], first.conversations[-count:]
 
 
-def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
-    """Load the target, the data and the draft vocabulary; build the data iterator (not yet restored)."""
-    if not config.target.path:
-        raise ValueError("set the target to train against: --config.target.path=smollm2|HF dir|.gguf|Orbax dir")
-    os.makedirs(workdir, exist_ok=True)
+def load_data(config: ml_collections.ConfigDict):
+    """(training sources, held-out conversations) of the recipe's data; the checks that need the data (a bad
+    record, a source with no usable conversation, too few to hold out) raise here, before anything is written.
+    Conversations containing an evaluation prompt are dropped (`train.data.evaluation_texts`) unless disabled."""
+    loaded = load_mixture(config.data.sources, None if config.data.exclude_eval_prompts else [])
+    return split_held_out(loaded, config.data.held_out_prompts)
+
+
+def check_before_work(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Every check that needs neither weights nor data (`train.checks.check_recipe`), the mesh against the
+    job's devices, and the starting drafter of a fine-tuning run (its config, not its weights)."""
+    target = check_recipe(config, workdir)
+    try:
+        mesh = parallel.make_mesh(config.mesh)
+    except ValueError as e:
+        raise InputError(f"--config.mesh: {e}") from None
+    if mesh.size != jax.device_count():
+        raise InputError(
+            f"--config.mesh {config.mesh!r} has {mesh.size} devices but the job has {jax.device_count()}: "
+            "set it so that data x fsdp x model covers every device"
+        )
+    batch_size = config.train.batch_size
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if batch_size % jax.process_count() or batch_size % shards:
+        raise InputError(
+            f"--config.train.batch_size {batch_size} must divide over {jax.process_count()} processes and the "
+            f"data x fsdp = {shards} batch shards of mesh {config.mesh!r}"
+        )
+    if config.train.init_from:
+        warm_start_vocab(config.train.init_from, drafter_from_recipe(config, target=target))
+
+
+def setup(config: ml_collections.ConfigDict, workdir: str, loaded, held_out_conversations) -> Run:
+    """Load the target and the draft vocabulary for the loaded data; build the data iterator (not yet
+    restored)."""
+    log.info("loading the target %s", config.target.path)
     target, target_params, tokenizer = load_target_and_tokenizer(config.target.path)
     # fp32 master parameters (and so fp32 optimiser moments) whatever the compute dtype.
     drafter = drafter_from_recipe(config, target=target).replace(param_dtype=jnp.float32)
     mesh = parallel.make_mesh(config.mesh)
-    if mesh.size != jax.device_count():
-        raise ValueError(
-            f"mesh {config.mesh!r} has {mesh.size} devices but the job has {jax.device_count()}: set "
-            f"--config.mesh so that data x fsdp x model covers every device"
-        )
     target_params = parallel.shard_params(target_params, mesh, target.head_dim)  # the one copy the job keeps
-    batch_size = config.train.batch_size
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    if batch_size % jax.process_count() or batch_size % shards:
-        raise ValueError(
-            f"train.batch_size {batch_size} must divide over {jax.process_count()} processes and the "
-            f"data x fsdp = {shards} batch shards of mesh {config.mesh!r}"
-        )
-    # Conversations containing an evaluation prompt are dropped (`train.data.evaluation_texts`) unless disabled.
-    loaded = load_mixture(config.data.sources, None if config.data.exclude_eval_prompts else [])
-    loaded, held_out_conversations = split_held_out(loaded, config.data.held_out_prompts)
     held_out = [chat_prompt_ids(tokenizer, user_texts(c.messages)[0]) for c in held_out_conversations]
     given_vocab = warm_start_vocab(config.train.init_from, drafter) if config.train.init_from else None
-    vocab, supervised = draft_vocabulary(workdir, loaded, tokenizer, target, drafter, given_vocab)
+    vocab, supervised = draft_vocabulary(workdir, loaded, tokenizer, target, drafter, config.data, given_vocab)
     iterator = make_train_iterator(
         loaded,
         tokenizer,
         seq_len=config.data.seq_len,
-        batch_size=batch_size,
+        batch_size=config.train.batch_size,
         max_anchors=config.data.max_anchors,
         block_size=drafter.num_drafts + 1,  # anchor + k drafted tokens (any block layout)
         seed=config.data.seed,
@@ -193,24 +220,29 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
             for s in loaded
         ],
         "held_out": [c.id for c in held_out_conversations],
-        "supervised_tokens": int(supervised.sum()),
+        "vocab_sample_supervised_tokens": int(supervised.sum()),
         "draft_vocab_coverage": float(supervised[np.asarray(vocab.d2t)].sum() / max(supervised.sum(), 1)),
         "init_from": config.train.init_from,
     }
     return Run(config, workdir, target, target_params, tokenizer, drafter, vocab, mesh, iterator, held_out, report)
 
 
-def initial_state(run: Run, optimizer, resuming: bool) -> TrainState:
-    """A fresh train state, placed on the mesh: drafter params (and so the optimiser state) sharded over fsdp.
-    The params are the starting drafter's in a fine-tuning run (`train.init_from`), else initialised (embeddings
-    from the target); a resuming run only needs the state's shapes and placement (the checkpoint replaces the
-    values), so it never reads the starting drafter's weights."""
+def initial_params(run: Run, resuming: bool) -> dict:
+    """Fresh drafter params, sharded over fsdp: the starting drafter's in a fine-tuning run (`train.init_from`),
+    else initialised (embeddings from the target). A resuming run only needs their shapes and placement (the
+    checkpoint replaces the values), so it never reads the starting drafter's weights."""
     key = jax.random.key(run.config.train.seed)
     if run.config.train.init_from and not resuming:
         params = warm_start_params(run.config.train.init_from, run.drafter, run.target_params)
     else:
-        params = init_from_target(init_drafter(run.drafter, key), run.drafter, run.target_params, run.vocab)
-    params = parallel.shard_params(params, run.mesh, run.target.head_dim, fsdp=True)
+        # One compiled init (the example forward it traces is dead code to XLA) instead of op-by-op dispatch.
+        fresh = jax.jit(init_drafter, static_argnums=0)(run.drafter, key)
+        params = init_from_target(fresh, run.drafter, run.target_params, run.vocab)
+    return parallel.shard_params(params, run.mesh, run.target.head_dim, fsdp=True)
+
+
+def initial_state(run: Run, params: dict, optimizer) -> TrainState:
+    """A fresh train state on the mesh: `params` and the optimiser state, sharded like them, at step 0."""
     opt_state = jax.jit(optimizer.init)(params)
     return TrainState(jnp.int32(0), params, opt_state, jax.random.key_data(jax.random.key(run.config.train.seed)))
 
@@ -294,6 +326,14 @@ def _logged_step(line: str) -> int | None:
         return None
 
 
+EVAL_SCALARS = ("tau", "accept_")  # what `real_tau` measures with the engine on held-out prompts
+
+
+def scalar_tag(name: str) -> str:
+    """TensorBoard's tag of a logged value: `eval/` for the engine's held-out measurements, `train/` for the rest."""
+    return f"eval/{name}" if name.startswith(EVAL_SCALARS) else f"train/{name}"
+
+
 class MetricsLog:
     """metrics.jsonl (truncated to the resumed step, so a resumed run's log has each step once) and TensorBoard."""
 
@@ -320,7 +360,7 @@ class MetricsLog:
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
         for name, value in values.items():
-            self.writer.add_scalar(name, value, step)
+            self.writer.add_scalar(scalar_tag(name), value, step)
         self.writer.flush()
 
     def close(self) -> None:
@@ -347,7 +387,7 @@ def lock_workdir(workdir: str):
         handle.seek(0)
         holder = handle.read().strip() or "unknown"
         handle.close()
-        raise ValueError(f"work directory {workdir} is in use by another training job (pid {holder})") from None
+        raise InputError(f"work directory {workdir} is in use by another training job (pid {holder})") from None
     handle.seek(0)
     handle.truncate()
     handle.write(str(os.getpid()))
@@ -355,29 +395,96 @@ def lock_workdir(workdir: str):
     return handle
 
 
+def empty_file(step_dir: str) -> str | None:
+    """An empty file of a checkpoint step (a write cut short: a whole checkpoint has none), else None."""
+    for root, _, files in sorted(os.walk(step_dir)):
+        for name in sorted(files):
+            if os.path.getsize(os.path.join(root, name)) == 0:
+                return os.path.join(root, name)
+    return None
+
+
+def named_file(step_dir: str, error: BaseException) -> str:
+    """The file of a checkpoint step that a failed restore's error names, else the step directory."""
+    for cause in causes(error):
+        for word in str(cause).replace('"', " ").replace("'", " ").split():
+            if word.startswith(step_dir + os.sep):
+                return word.rstrip(".,:;)")
+    return step_dir
+
+
+def restore_damage(manager: ocp.CheckpointManager, step: int, step_dir: str, args) -> tuple[dict | None, str]:
+    """(restored items, "") of a whole checkpoint, or (None, "FILE: what is wrong") of a damaged one. An empty file
+    is found before Orbax reads anything (its failed reads leave tracebacks from background threads)."""
+    empty = empty_file(step_dir)
+    if empty is not None:
+        return None, f"{empty}: empty file"
+    try:
+        return manager.restore(step, args=args), ""
+    except Exception as e:  # any failure to read a checkpoint of the checked recipe is damage
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return None, f"{named_file(step_dir, e)}: {reason if len(reason) <= 160 else reason[:160] + '...'}"
+
+
+def restore_latest(workdir: str, manager: ocp.CheckpointManager, run: Run, state: TrainState):
+    """(manager, state, step) of the latest checkpoint that restores; (manager, state, 0) with none. A damaged
+    checkpoint (a file cut short or unreadable: the recipe was checked already) is moved, not deleted, to
+    `workdir/damaged/STEP`, with a warning naming it, and the one before it restored; an error when none is
+    left."""
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    args = ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(run.iterator)
+    )
+    while (step := manager.latest_step()) is not None:
+        step_dir = os.path.join(workdir, "checkpoints", str(step))
+        restored, damage = restore_damage(manager, step, step_dir, args)
+        if restored is not None:
+            log.info("resumed from step %d", step)
+            return manager, restored["state"], step
+        earlier = [s for s in manager.all_steps() if s < step]
+        if not earlier:
+            raise InputError(
+                f"checkpoint step {step} is damaged ({damage}) and no earlier one is left: move {step_dir} away "
+                "to start over, or use a new --workdir"
+            )
+        aside = os.path.join(workdir, "damaged", str(step))
+        multihost_utils.sync_global_devices(f"checkpoint {step} found damaged")
+        if jax.process_index() == 0:
+            os.makedirs(os.path.dirname(aside), exist_ok=True)
+            os.replace(step_dir, aside if not os.path.exists(aside) else f"{aside}-{int(time.time())}")
+        multihost_utils.sync_global_devices(f"checkpoint {step} moved aside")
+        print(
+            f"warning: checkpoint step {step} is damaged ({damage}); moved it to {aside} and resuming from step "
+            f"{max(earlier)}",
+            file=sys.stderr,
+        )
+        manager.close()
+        manager = checkpoint_manager(workdir, run.config.train.keep_checkpoints)
+    return manager, state, 0
+
+
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """The whole job; returns the last logged metrics (and the last real tau when measured)."""
+    """The whole job; returns the last logged metrics (and the last real tau when measured). Checks the recipe
+    before any work and the data before anything is written; a Ctrl-C stops it with a `KeyboardInterrupt` whose
+    message says where (the checkpoints are whole: each is written aside and renamed when complete)."""
     from tqdm import tqdm
 
     workdir = os.path.abspath(workdir)
+    check_before_work(config, workdir)
+    log.info("reading the training data: %s", config.data.sources)
+    loaded, held_out_conversations = load_data(config)
     lock = lock_workdir(workdir) if jax.process_index() == 0 else None  # noqa: F841 (held while training)
-    run = setup(config, workdir)
+    if jax.process_index() == 0:
+        record_recipe(config, workdir)
+    run = setup(config, workdir, loaded, held_out_conversations)
     tc = config.train
-    abstract_params = jax.eval_shape(lambda: init_drafter(run.drafter, jax.random.key(0)))
-    optimizer, schedule = make_optimizer(tc, abstract_params, run.drafter)
+    log.info("building the drafter and its optimiser")
     manager = checkpoint_manager(workdir, tc.keep_checkpoints)
-    start = manager.latest_step() or 0
-    state = initial_state(run, optimizer, resuming=bool(start))
-    if start:
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-        restored = manager.restore(
-            start,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(run.iterator)
-            ),
-        )
-        state = restored["state"]
-        log.info("resumed from step %d", start)
+    resuming = manager.latest_step() is not None
+    params = initial_params(run, resuming)
+    optimizer, schedule = make_optimizer(tc, params, run.drafter)
+    state = initial_state(run, params, optimizer)
+    manager, state, start = restore_latest(workdir, manager, run, state)
     weights = recipe_weights(run.drafter.kind, tc.gamma, **tc.loss.to_dict())
     step_config = StepConfig(run.target, run.drafter, weights, tc.anchors_per_chunk)
     step_fn = make_train_step(step_config, optimizer, schedule, run.mesh)
@@ -387,32 +494,43 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
             json.dump(run.data_report, f, indent=2)
     last: dict = {}
     tokens_done, clock = 0, time.perf_counter()
-    bar = tqdm(total=tc.num_steps, initial=start, desc="train", disable=jax.process_index() != 0)
-    for step in range(start + 1, tc.num_steps + 1):
-        local = next(run.iterator)
-        state, metrics = step_fn(state, run.target_params, run.vocab, global_batch(run, local))
-        tokens_done += int(np.sum(np.asarray(local["doc_ids"]) >= 0)) * jax.process_count()
-        if step % tc.log_every == 0 or step == tc.num_steps:
-            last = scalars(metrics)
-            elapsed = time.perf_counter() - clock
-            last["tokens_per_s"] = tokens_done / elapsed
-            tokens_done, clock = 0, time.perf_counter()
-            if tc.eval_every and (step % tc.eval_every == 0 or step == tc.num_steps) and run.held_out:
-                last.update(real_tau(run, state.params))
-                clock = time.perf_counter()  # the tau check is not training time
-            metrics_log.write(step, last)
-            bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
-        bar.update(1)
-        if step % tc.checkpoint_every == 0 or step == tc.num_steps:
-            manager.save(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(run.iterator)
-                ),
-            )
-            manager.wait_until_finished()
-            export_drafter(run, state.params, step, last)
-    bar.close()
-    metrics_log.close()
-    manager.close()
+    done, bar = start, None
+    try:
+        bar = tqdm(total=tc.num_steps, initial=start, desc="train", disable=jax.process_index() != 0)
+        for step in range(start + 1, tc.num_steps + 1):
+            local = next(run.iterator)
+            state, metrics = step_fn(state, run.target_params, run.vocab, global_batch(run, local))
+            done = step
+            tokens_done += int(np.sum(np.asarray(local["doc_ids"]) >= 0)) * jax.process_count()
+            if step % tc.log_every == 0 or step == tc.num_steps:
+                last = scalars(metrics)
+                elapsed = time.perf_counter() - clock
+                last["tokens_per_s"] = tokens_done / elapsed
+                tokens_done, clock = 0, time.perf_counter()
+                if tc.eval_every and (step % tc.eval_every == 0 or step == tc.num_steps) and run.held_out:
+                    last.update(real_tau(run, state.params))
+                    clock = time.perf_counter()  # the tau check is not training time
+                metrics_log.write(step, last)
+                bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
+            bar.update(1)
+            if step % tc.checkpoint_every == 0 or step == tc.num_steps:
+                manager.save(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(run.iterator)
+                    ),
+                )
+                manager.wait_until_finished()
+                export_drafter(run, state.params, step, last)
+    except KeyboardInterrupt:
+        saved = manager.latest_step()
+        where = f"step {saved} in {os.path.join(workdir, 'checkpoints')}" if saved is not None else "none yet"
+        raise KeyboardInterrupt(
+            f"stopped after step {done} of {tc.num_steps}; last checkpoint: {where}; run the same command to resume"
+        ) from None
+    finally:  # the writers' threads would keep an interrupted process alive
+        if bar is not None:
+            bar.close()
+        metrics_log.close()
+        manager.close()
     return {"resumed_from": start, **last}

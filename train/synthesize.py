@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import jax
 
+from hspec_jax.cli import ArgumentParser, non_negative_int, positive_int, probability, run
 from hspec_jax.decoding import SamplingConfig
+from hspec_jax.errors import InputError
 from train.chat import encode, normalize_text, render
+from train.checks import target_config
 from train.generation import BatchGenerator
 from train.jsonl import JsonlAppender
 from train.targets import load_target_and_tokenizer
@@ -34,26 +38,36 @@ SENTINEL = "\x00USER-MESSAGE\x00"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m train.synthesize", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m train.synthesize", description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="smollm2", help="target spec: smollm2, tiny, an HF dir, .gguf or Orbax dir")
     parser.add_argument("--out", required=True, help="output JSONL file (appended to; rerun to resume)")
-    parser.add_argument("--num", type=int, required=True, help="number of instructions the file should hold")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="longest instruction, in tokens")
+    parser.add_argument("--num", type=positive_int, required=True, help="number of instructions the file should hold")
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="longest instruction, in tokens")
     parser.add_argument("--temperature", type=float, default=1.0, help="must be > 0 (greedy repeats itself)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--min-length", type=int, default=16, help="shortest instruction kept, in characters")
+    parser.add_argument("--top-p", type=probability, default=1.0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument(
-        "--max-idle-batches", type=int, default=50, help="give up after this many batches in a row add nothing"
+        "--min-length", type=non_negative_int, default=16, help="shortest instruction kept, in characters"
+    )
+    parser.add_argument(
+        "--max-idle-batches", type=positive_int, default=50, help="give up after this many batches in a row add nothing"
     )
     args = parser.parse_args(argv)
-    if args.temperature <= 0:
+    if not args.temperature > 0:
         parser.error("--temperature must be > 0: greedy decoding would sample the same instruction every time")
-    for name in ("num", "batch_size", "max_new_tokens", "max_idle_batches"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
+
+
+def check_out_file(path: str) -> None:
+    """`--out` is a file (or can be created as one) in a writable directory."""
+    if os.path.isdir(path):
+        raise InputError(f"--out {path} is a directory, not a JSONL file")
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"--out {path}: {folder} is not a writable directory")
 
 
 def user_turn_prefix(tokenizer) -> list[int]:
@@ -73,41 +87,55 @@ def accepted(texts: list[str], seen: set[str], min_length: int) -> list[str]:
     return kept
 
 
+def instructions(records: list[dict], path: str) -> set[str]:
+    """The `normalize_text` forms of the instructions a file of this tool holds; another file is an error."""
+    try:
+        return {normalize_text(r["messages"][0]["content"]) for r in records}
+    except (KeyError, IndexError, TypeError):
+        raise InputError(f"{path} holds records that are not this tool's instructions: use another --out") from None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     from tqdm import tqdm
 
-    config, params, tokenizer = load_target_and_tokenizer(args.target)
-    sampling = SamplingConfig(args.temperature, top_p=args.top_p)
-    generator = BatchGenerator(config, params, tokenizer, args.batch_size, args.max_new_tokens, sampling)
-    prompt = user_turn_prefix(tokenizer)
-    key = jax.random.key(args.seed)
-    with JsonlAppender(args.out) as out:
-        seen = {normalize_text(r["messages"][0]["content"]) for r in out.records}
+    check_out_file(args.out)
+    target_config(args.target)
+    with JsonlAppender(args.out) as out:  # a file of another kind is refused before the target is loaded
+        config, params, tokenizer = load_target_and_tokenizer(args.target)
+        sampling = SamplingConfig(args.temperature, top_p=args.top_p)
+        generator = BatchGenerator(config, params, tokenizer, args.batch_size, args.max_new_tokens, sampling)
+        prompt = user_turn_prefix(tokenizer)
+        key = jax.random.key(args.seed)
+        seen = instructions(out.records, args.out)
         count, attempt = len(out.records), 0
         bar = tqdm(total=args.num, initial=min(count, args.num), unit="instr", dynamic_ncols=True)
-        while count < args.num:
-            rng = jax.random.fold_in(jax.random.fold_in(key, count), attempt)
-            samples = generator([prompt] * args.batch_size, rng)
-            texts = [generator.text(ids).strip() for ids, stopped in samples if stopped]
-            new = accepted(texts, seen, args.min_length)[: args.num - count]
-            out.append(
-                [
-                    {"id": f"synth-{args.seed}-{count + i}", "source": "synthesize", "messages": [m]}
-                    for i, m in enumerate({"role": "user", "content": t} for t in new)
-                ]
-            )
-            count += len(new)
-            attempt = 0 if new else attempt + 1
-            bar.update(len(new))
-            if attempt >= args.max_idle_batches:
-                log.error("%d batches in a row gave no new instruction; stopping at %d", attempt, count)
-                return 1
+        try:
+            while count < args.num:
+                rng = jax.random.fold_in(jax.random.fold_in(key, count), attempt)
+                samples = generator([prompt] * args.batch_size, rng)
+                texts = [generator.text(ids).strip() for ids, stopped in samples if stopped]
+                new = accepted(texts, seen, args.min_length)[: args.num - count]
+                out.append(
+                    [
+                        {"id": f"synth-{args.seed}-{count + i}", "source": "synthesize", "messages": [m]}
+                        for i, m in enumerate({"role": "user", "content": t} for t in new)
+                    ]
+                )
+                count += len(new)
+                attempt = 0 if new else attempt + 1
+                bar.update(len(new))
+                if attempt >= args.max_idle_batches:
+                    log.error("%d batches in a row gave no new instruction; stopping at %d", attempt, count)
+                    return 1
+        except KeyboardInterrupt:
+            bar.close()
+            raise KeyboardInterrupt(f"{args.out} holds {count} complete instructions; rerun to continue") from None
         bar.close()
     log.info("%s holds %d instructions", args.out, count)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))
