@@ -226,11 +226,12 @@ def test_eval_and_data_tools_refuse_bad_output_and_arguments_in_one_line(tmp_pat
     from eval import main as eval_main
     from eval import serving
     from hspec_jax.cli import run
-    from train import compare_runs, synthesize
+    from train import compare_runs, regenerate, synthesize
 
     afile = tmp_path / "afile"
     afile.write_text("x")
     other = write_jsonl(tmp_path / "other.jsonl", [json.dumps({"a": 1})])
+    regen_out = str(tmp_path / "r.jsonl")
     cases = [
         (eval_main.main, ["--target", "random:tiny", "--out", str(afile)], 1, f"--out {afile} is not a directory"),
         (
@@ -244,6 +245,11 @@ def test_eval_and_data_tools_refuse_bad_output_and_arguments_in_one_line(tmp_pat
         (synthesize.main, ["--target", "/nope", "--out", str(tmp_path / "s.jsonl"), "--num", "2"], 1, "/nope"),
         (synthesize.main, ["--target", "tiny", "--out", other, "--num", "2"], 1, "not this tool's instructions"),
         (synthesize.main, ["--out", str(tmp_path / "s.jsonl"), "--num", "2", "--top-p", "2"], 2, "--top-p"),
+        (regenerate.main, ["--target", "tiny", "--sources", "sharegpt", "--out", str(tmp_path)], 1, "is a directory"),
+        (regenerate.main, ["--target", "/nope", "--sources", "sharegpt", "--out", regen_out], 1, "/nope"),
+        (regenerate.main, ["--sources", "x=/nope.jsonl", "--out", regen_out], 1, "--sources: data"),
+        (regenerate.main, ["--target", "tiny", "--sources", other, "--out", other], 1, "not a conversation of this"),
+        (regenerate.main, ["--sources", "sharegpt", "--out", regen_out, "--batch-size", "0"], 2, "--batch-size"),
         (compare_runs.main, [str(tmp_path / "nope")], 1, "metrics.jsonl does not exist"),
         (compare_runs.main, [str(tmp_path), "--last", "0"], 2, "--last"),
     ]

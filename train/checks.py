@@ -81,16 +81,16 @@ def target_config(spec: str) -> TargetConfig:
     return read_target_config(spec)
 
 
-def check_sources(spec: str) -> None:
-    """The source spec parses and every local file exists (read later, once)."""
+def check_sources(spec: str, flag: str = "--config.data.sources") -> None:
+    """The source spec (given as `flag`) parses and every local file exists (read later, once)."""
     try:
         sources = parse_sources(spec)
     except ValueError as e:
-        raise InputError(f"--config.data.sources: {e}") from None
+        raise InputError(f"{flag}: {e}") from None
     for source in sources:
         local = source.location != "sharegpt" and not source.location.startswith("hf:")
         if local and not os.path.isfile(source.location):
-            raise InputError(f"--config.data.sources: data source file {source.location!r} does not exist")
+            raise InputError(f"{flag}: data source file {source.location!r} does not exist")
 
 
 def check_recipe(config: ml_collections.ConfigDict, workdir: str) -> TargetConfig:

@@ -19,7 +19,9 @@ log = logging.getLogger(__name__)
 class JsonlAppender:
     """`records` holds what the file already had; `append` adds complete lines durably."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, check=None):
+        """Open `path` for appending. `check(records, path)`, if given, may refuse what the file holds (raise);
+        it runs before a partial last line is cut, so a refused file is left exactly as it was."""
         self.path = path
         self.records: list[dict] = []
         self.cut_bytes = 0
@@ -27,12 +29,6 @@ class JsonlAppender:
             with open(path, "rb") as f:
                 data = f.read()
             keep = data.rfind(b"\n") + 1
-            self.cut_bytes = len(data) - keep
-            if self.cut_bytes:
-                log.warning("%s: cutting a partial last line of %d bytes", path, self.cut_bytes)
-                with open(path, "r+b") as f:
-                    f.truncate(keep)
-                    os.fsync(f.fileno())
             for number, line in enumerate(data[:keep].decode("utf-8").splitlines(), 1):
                 try:
                     self.records.append(json.loads(line))
@@ -40,6 +36,14 @@ class JsonlAppender:
                     raise InputError(
                         f"{path}:{number} is not a JSON record ({e.msg}); not a file of this tool?"
                     ) from None
+            if check is not None:
+                check(self.records, path)
+            self.cut_bytes = len(data) - keep
+            if self.cut_bytes:
+                log.warning("%s: cutting a partial last line of %d bytes", path, self.cut_bytes)
+                with open(path, "r+b") as f:
+                    f.truncate(keep)
+                    os.fsync(f.fileno())
         else:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._file = open(path, "ab")  # noqa: SIM115 (held open across appends, closed by close())
@@ -60,3 +64,14 @@ class JsonlAppender:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def check_out_file(path: str) -> None:
+    """`--out` is a file (or can be created as one) in a writable directory."""
+    if os.path.isdir(path):
+        raise InputError(f"--out {path} is a directory, not a JSONL file")
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"--out {path}: {folder} is not a writable directory")

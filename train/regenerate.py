@@ -33,52 +33,57 @@ import time
 
 import numpy as np
 
+from hspec_jax.cli import ArgumentParser, non_negative_float, non_negative_int, positive_int, probability, run
 from hspec_jax.decoding import SamplingConfig
+from hspec_jax.errors import InputError
 from hspec_jax.serving import Model, Request, ServingConfig, ServingEngine
 from train.chat import encode, normalize_text, render, user_texts
+from train.checks import check_sources, target_config
 from train.data import Conversation, evaluation_texts, load_mixture
 from train.dedup import NearDuplicates
-from train.jsonl import JsonlAppender
+from train.jsonl import JsonlAppender, check_out_file
 from train.targets import load_target_and_tokenizer
 
 log = logging.getLogger("train.regenerate")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m train.regenerate", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m train.regenerate", description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="smollm2", help="target spec: smollm2, tiny, an HF dir, .gguf or Orbax dir")
     parser.add_argument("--sources", required=True, help="data source spec (see train/data.py), e.g. sharegpt")
     parser.add_argument("--out", required=True, help="output JSONL file (appended to; rerun to resume)")
-    parser.add_argument("--batch-size", type=int, default=16, help="slots decoded together")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens per generated answer")
-    parser.add_argument("--max-turns", type=int, default=None, help="user turns kept per conversation (default all)")
-    parser.add_argument("--max-prompt-tokens", type=int, default=512, help="longest prompt answered")
-    parser.add_argument("--limit", type=int, default=None, help="only the first N conversations (after --shuffle)")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="slots decoded together")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256, help="tokens per generated answer")
+    parser.add_argument(
+        "--max-turns", type=positive_int, default=None, help="user turns kept per conversation (default all)"
+    )
+    parser.add_argument("--max-prompt-tokens", type=positive_int, default=512, help="longest prompt answered")
+    parser.add_argument(
+        "--limit", type=positive_int, default=None, help="only the first N conversations (after --shuffle)"
+    )
     parser.add_argument(
         "--shuffle", action="store_true", help="visit the conversations in a random order fixed by --seed"
     )
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--seed", type=int, default=0, help="seed of --shuffle and of sampling")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of --shuffle and of sampling")
     parser.add_argument(
         "--near-duplicate",
-        type=float,
+        type=probability,
         default=0.7,
         help="drop a conversation whose user turns share this fraction of word 3-grams (Jaccard) with an earlier one",
     )
-    parser.add_argument("--steps-per-iteration", type=int, default=16, help="decoding steps between admissions")
-    parser.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per prefill call")
-    args = parser.parse_args(argv)
-    for name in ("batch_size", "max_new_tokens", "max_turns", "max_prompt_tokens", "limit", "steps_per_iteration"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.prefill_chunk < 1:
-        parser.error("--prefill-chunk must be at least 1")
-    if not 0 < args.near_duplicate <= 1:
-        parser.error("--near-duplicate must be in (0, 1]")
-    if args.temperature < 0:
-        parser.error("--temperature must be >= 0")
-    return args
+    parser.add_argument(
+        "--steps-per-iteration", type=positive_int, default=16, help="decoding steps between admissions"
+    )
+    parser.add_argument("--prefill-chunk", type=positive_int, default=128, help="prompt tokens per prefill call")
+    return parser.parse_args(argv)
+
+
+def check_records(records: list[dict], path: str) -> None:
+    """The records already in `--out` are this tool's (an id and messages each); another file is an error."""
+    for number, r in enumerate(records, 1):
+        if not (isinstance(r, dict) and "id" in r and isinstance(r.get("messages"), list)):
+            raise InputError(f"{path}:{number} is not a conversation of this tool (id, messages): use another --out")
 
 
 def prompt_key(messages: list[dict], max_turns: int | None) -> tuple[str, ...]:
@@ -208,25 +213,20 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     from tqdm import tqdm
 
-    try:
-        texts = evaluation_texts()
-        loaded = load_mixture(args.sources, exclude_texts=texts)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    conversations = [c for source in loaded for c in source.conversations]
-    if args.shuffle:
-        conversations = [conversations[i] for i in np.random.default_rng(args.seed).permutation(len(conversations))]
-    conversations = conversations[: args.limit]
-    config, params, tokenizer = load_target_and_tokenizer(args.target)
-    engine = DataEngine(
-        build_engine(config, params, tokenizer, args),
-        tokenizer,
-        max_turns=args.max_turns,
-        max_prompt_tokens=args.max_prompt_tokens,
-        seed=args.seed,
-    )
-    with JsonlAppender(args.out) as out:
+    check_out_file(args.out)
+    target_config(args.target)
+    check_sources(args.sources, "--sources")
+    with JsonlAppender(args.out, check=check_records) as out:  # a foreign --out is refused before any loading
+        try:
+            texts = evaluation_texts()
+            loaded = load_mixture(args.sources, exclude_texts=texts)
+        except ValueError as e:
+            raise InputError(str(e)) from None
+        conversations = [c for source in loaded for c in source.conversations]
+        if args.shuffle:
+            order = np.random.default_rng(args.seed).permutation(len(conversations))
+            conversations = [conversations[i] for i in order]
+        conversations = conversations[: args.limit]
         near = NearDuplicates(args.near_duplicate)
         dropped_eval = sum(not near.add(t) for t in texts)
         todo, repeats = new_prompts(conversations, out.records, args.max_turns, near)
@@ -242,6 +242,14 @@ def main(argv=None) -> int:
             len(todo),
             args.batch_size,
         )
+        config, params, tokenizer = load_target_and_tokenizer(args.target)
+        engine = DataEngine(
+            build_engine(config, params, tokenizer, args),
+            tokenizer,
+            max_turns=args.max_turns,
+            max_prompt_tokens=args.max_prompt_tokens,
+            seed=args.seed,
+        )
         bar = tqdm(total=len(todo), unit="conv", dynamic_ncols=True, mininterval=2 if sys.stderr.isatty() else 60)
         start, written, queue = time.perf_counter(), 0, iter(todo)
         while True:
@@ -249,7 +257,12 @@ def main(argv=None) -> int:
                 engine.start(conversation)
             if not engine.engine.busy:
                 break
-            records = engine.step()
+            try:
+                records = engine.step()
+            except KeyboardInterrupt:
+                bar.close()
+                message = f"{args.out} holds {len(out.records)} complete conversations; rerun the command to continue"
+                raise KeyboardInterrupt(message) from None
             out.append(records)
             written += len(records)
             bar.update(written + engine.skipped - bar.n)
@@ -273,4 +286,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

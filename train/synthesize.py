@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 import jax
@@ -30,7 +29,7 @@ from hspec_jax.errors import InputError
 from train.chat import encode, normalize_text, render
 from train.checks import target_config
 from train.generation import BatchGenerator
-from train.jsonl import JsonlAppender
+from train.jsonl import JsonlAppender, check_out_file
 from train.targets import load_target_and_tokenizer
 
 log = logging.getLogger("train.synthesize")
@@ -57,17 +56,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.temperature > 0:
         parser.error("--temperature must be > 0: greedy decoding would sample the same instruction every time")
     return args
-
-
-def check_out_file(path: str) -> None:
-    """`--out` is a file (or can be created as one) in a writable directory."""
-    if os.path.isdir(path):
-        raise InputError(f"--out {path} is a directory, not a JSONL file")
-    folder = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(folder):
-        folder = os.path.dirname(folder)
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
-        raise InputError(f"--out {path}: {folder} is not a writable directory")
 
 
 def user_turn_prefix(tokenizer) -> list[int]:
@@ -102,7 +90,7 @@ def main(argv=None) -> int:
 
     check_out_file(args.out)
     target_config(args.target)
-    with JsonlAppender(args.out) as out:  # a file of another kind is refused before the target is loaded
+    with JsonlAppender(args.out, check=instructions) as out:  # another kind of file: refused before loading
         config, params, tokenizer = load_target_and_tokenizer(args.target)
         sampling = SamplingConfig(args.temperature, top_p=args.top_p)
         generator = BatchGenerator(config, params, tokenizer, args.batch_size, args.max_new_tokens, sampling)
