@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 
-from benchmarks import drafter_recipes, matmul_rows
+from benchmarks import decode_attention, drafter_recipes, matmul_rows
 from benchmarks.spec_overhead import KINDS, isolated_step_times
 from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.vocab import build_draft_vocab
@@ -47,3 +47,12 @@ def test_with_drafts_sets_the_block_for_k():
     recipe = load_config("tiny")
     assert drafter_from_recipe(drafter_recipes.with_drafts(recipe, 3)).num_drafts == 3
     assert drafter_from_recipe(recipe).num_drafts == 7  # the recipe itself is left alone
+
+
+def test_decode_attention_compares_every_shape_and_the_two_agree(tmp_path, monkeypatch):
+    monkeypatch.setattr(decode_attention, "SHAPES", [(2, 300, 1, 200), (1, 300, 8, 290)])
+    out = tmp_path / "decode_attention.md"
+    decode_attention.main(["--repeats", "2", "--out", str(out)])
+    rows = [line.strip(" |").split(" | ") for line in out.read_text().splitlines() if line.startswith("| ")][1:]
+    assert [r[:4] for r in rows] == [["2", "300", "1", "200"], ["1", "300", "8", "290"]]
+    assert all(float(r[4]) > 0 and float(r[5]) > 0 and float(r[7]) < 1e-5 for r in rows)
