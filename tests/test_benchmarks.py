@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 
-from benchmarks import decode_attention, drafter_recipes, matmul_rows
+from benchmarks import decode_attention, drafter_recipes, matmul_rows, vocab_coverage
 from benchmarks.spec_overhead import KINDS, isolated_step_times
 from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.vocab import build_draft_vocab
@@ -56,3 +56,10 @@ def test_decode_attention_compares_every_shape_and_the_two_agree(tmp_path, monke
     rows = [line.strip(" |").split(" | ") for line in out.read_text().splitlines() if line.startswith("| ")][1:]
     assert [r[:4] for r in rows] == [["2", "300", "1", "200"], ["1", "300", "8", "290"]]
     assert all(float(r[4]) > 0 and float(r[5]) > 0 and float(r[7]) < 1e-5 for r in rows)
+
+
+def test_vocab_coverage_counts_tokens_inside_the_vocabulary_per_task_and_overall():
+    t2d = np.zeros(10, bool)
+    t2d[[1, 2, 3]] = True
+    answers = {"math": [[1, 2], [5]], "code": [[3, 3, 7, 9]]}
+    assert vocab_coverage.coverage(answers, t2d) == {"math": 2 / 3, "code": 0.5, "all": 4 / 7}
