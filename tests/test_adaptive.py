@@ -200,11 +200,11 @@ def test_costs_are_measured_once_per_machine_and_shape(tmp_path, monkeypatch):
 
     def measure(index):
         calls.append(index)
-        return [0.01, 0.013, 0.02][index]
+        return [0.01, 0.013, 0.012][index]
 
     shape = {"target": "t", "batch": 1}
     first = cost_model.step_costs(shape, (0, 1, 3), measure)
-    np.testing.assert_allclose(first, [1.0, 1.3, 2.0], rtol=1e-6)
+    np.testing.assert_allclose(first, [1.0, 1.3, 1.3], rtol=1e-6)  # never cheaper for a longer draft
     again = cost_model.step_costs(shape, (0, 1, 3), measure)
     np.testing.assert_allclose(again, first)
     assert calls == [0, 1, 2]

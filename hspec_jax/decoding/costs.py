@@ -57,11 +57,13 @@ def engine_shape(target, drafter, sampling, batch: int, capacity: int) -> dict:
 
 
 def relative(seconds: list[float]) -> np.ndarray:
-    """Seconds per step for each choice (choice 0 = a plain step) -> costs `[C]` relative to choice 0."""
+    """Seconds per step for each increasing choice (choice 0 = a plain step) -> costs `[C]` relative to choice 0.
+    A longer draft never costs less than a shorter one (it verifies more rows, after drafting): a measurement
+    that says otherwise is noise and is raised to the shorter draft's cost."""
     seconds = np.asarray(seconds, np.float64)
     if seconds.ndim != 1 or len(seconds) < 2 or not np.all(seconds > 0):
         raise ValueError(f"need a positive time per choice, got {seconds}")
-    return (seconds / seconds[0]).astype(np.float32)
+    return np.maximum.accumulate(seconds / seconds[0]).astype(np.float32)
 
 
 def step_costs(shape: dict, choices: tuple[int, ...], measure: Callable[[int], float]) -> np.ndarray:
@@ -83,7 +85,7 @@ def step_costs(shape: dict, choices: tuple[int, ...], measure: Callable[[int], f
 MEASURED_STEPS = 8  # steps per timed run (fewer than a policy's probe_every, so a pinned plain run never probes)
 
 
-def time_steps(start: Callable[[], tuple], run: Callable[[tuple], tuple], repeats: int = 3) -> float:
+def time_steps(start: Callable[[], tuple], run: Callable[[tuple], tuple], repeats: int = 5) -> float:
     """Seconds per loop step: the fastest of `repeats` runs of `run(start())` (start untimed; the carry's first
     element is the loop state, whose `step` counts the steps run), after one untimed warm-up."""
     best = float("inf")

@@ -408,6 +408,36 @@ def measure_costs(
     return cost_model.step_costs(shape, policy.choices, measure)
 
 
+def adaptive_costs(
+    models: tuple,
+    prompts: jax.Array,
+    lengths: jax.Array,
+    fresh_caches: Callable[[], tuple],
+    capacity: int,
+    rng: jax.Array,
+    *,
+    policy: AdaptivePolicy,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    eos_ids: tuple[int, ...] = (),
+    pad_id: int = 0,
+) -> np.ndarray:
+    """The cost table `[C]` of `policy` for `models` = (target_params, target, drafter_params, drafter, vocab) on
+    `prompts [B, T]` with caches of `capacity` rows (`fresh_caches()` -> new target and drafter caches), cached per
+    machine and shape or measured on this loop (`measure_costs`)."""
+    kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
+    _, target, _, drafter, _ = models
+
+    def prefill(step_costs):
+        return spec_prefill(*models, prompts, lengths, *fresh_caches(), rng, step_costs, **kw)
+
+    def chunk(carry, steps):
+        return spec_decode_chunk(*models, *carry, steps, **kw)
+
+    shape = cost_model.engine_shape(target, drafter, sampling, prompts.shape[0], capacity)
+    return measure_costs(prefill, chunk, policy, shape)
+
+
 def speculative_generate(
     target_params: dict,
     target: TargetConfig,
@@ -454,13 +484,7 @@ def speculative_generate(
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
     models = (target_params, target, drafter_params, drafter, vocab)
 
-    def prefill(step_costs):
-        return spec_prefill(*models, prompts, lengths, *fresh_caches(), rng, step_costs, **kw)
-
     if policy is not None and costs is None:
-        shape = cost_model.engine_shape(target, drafter, sampling, prompts.shape[0], capacity)
-        costs = measure_costs(
-            prefill, lambda carry, steps: spec_decode_chunk(*models, *carry, steps, **kw), policy, shape
-        )
-    state, cache, context = prefill(costs)
+        costs = adaptive_costs(models, prompts, lengths, fresh_caches, capacity, rng, **kw)
+    state, cache, context = spec_prefill(*models, prompts, lengths, *fresh_caches(), rng, costs, **kw)
     return spec_decode(*models, state, cache, context, **kw)
