@@ -14,7 +14,9 @@ cached: run with a fresh `XDG_CACHE_HOME` to measure it in the same quiet window
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
+import sys
 
 import jax
 import numpy as np
@@ -50,6 +52,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     jax.config.update("jax_compilation_cache_dir", DEFAULT_COMPILE_CACHE)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
@@ -107,7 +110,7 @@ def main(argv=None) -> None:
     lines = [
         "# Adaptive draft length (`--k auto`) vs fixed k vs plain decoding",
         "",
-        f"Command: `python -m benchmarks.adaptive_k {' '.join(argv) if argv else ''}`".rstrip(),
+        f"Command: `{shlex.join(['python', '-m', 'benchmarks.adaptive_k', *argv])}`",
         "",
         f"CPU: {cpu_model()}, {jax.device_count()} device(s); SmolLM2-135M-Instruct (embedded GGUF), fp32, greedy, "
         f"batch 1, {len(PROMPTS)} prompts (benchmarks/common.py) x up to {args.new_tokens} new tokens, prompt width "

@@ -68,14 +68,31 @@ def test_an_overconfident_drafter_falls_back_then_probes():
         state = observe(state, POLICY, confident, jnp.int32(7), jnp.zeros(2, jnp.int32), active)
         steps += 1
     assert steps <= 6
+    state = state._replace(drafted=~active)  # plain steps from now on: the drafter is not called
     for _ in range(POLICY.probe_every):
         state = observe(state, POLICY, confident, jnp.int32(0), jnp.zeros(2, jnp.int32), active)
     assert bool(wants_draft(state, POLICY, active))
     assert int(step_choice(state, POLICY, confident, active)) == 1  # a probe: the smallest k
     # A probe that is accepted lifts the estimates again.
+    state = state._replace(drafted=active)
     for _ in range(3):
         state = observe(state, POLICY, confident, jnp.int32(1), jnp.ones(2, jnp.int32), active)
     assert int(best_choice(state.accepted / state.reached, CPU_LIKE, POLICY.choices)[0]) > 0
+
+
+def test_drafts_that_are_never_verified_stop_the_drafting():
+    """A drafter whose blocks always look hopeless (decision 2 takes k = 0): its drafting buys nothing, so the
+    history turns it off within a few steps (no drafter call on plain steps), until a probe is due."""
+    state = init_policy(POLICY, 1, CPU_LIKE)
+    active, hopeless = jnp.array([True]), jnp.full((1, 7), 0.01)
+    steps = 0
+    while bool(wants_draft(state, POLICY, active)):
+        assert int(step_choice(state, POLICY, hopeless, active)) == 0
+        state = observe(state._replace(drafted=active), POLICY, hopeless, jnp.int32(0), jnp.zeros(1, jnp.int32), active)
+        steps += 1
+    assert 1 <= steps <= 6
+    plain = observe(state._replace(drafted=~active), POLICY, hopeless, jnp.int32(0), jnp.zeros(1, jnp.int32), active)
+    np.testing.assert_array_equal(plain.reached, state.reached)  # a plain step without a draft: nothing learnt
 
 
 def test_batch_takes_the_largest_choice_of_active_sequences():

@@ -12,6 +12,7 @@ Acceptance estimates, per sequence and slot i (all in the loop state, `PolicySta
   else the top probability of its draft distribution at slot i;
 * decayed sums over the steps in which slot i was verified (reached: all earlier drafts accepted):
   R_i (times reached) and A_i (times accepted), started at `prior_weight` pseudo-steps of acceptance `prior`;
+  a block drafted but then not verified (decision 2 below chose k = 0) counts as slot 1 reached and rejected;
 * one calibration ratio per sequence, A / P: decayed sums over the steps that verified drafts of the drafts
   accepted (A) and of their predictions c_i (P), started at `prior_weight` pseudo-drafts predicted and accepted
   alike (so the drafter is trusted at first). It is pooled over slots: slot 1 decides most steps, and a ratio
@@ -86,6 +87,7 @@ class PolicyState(NamedTuple):
     accepted: jax.Array  # [B, k] decayed count of those in which slot i was accepted
     calibration: jax.Array  # [B, 2] decayed sums of drafts accepted and of their predictions c_i
     idle: jax.Array  # [B] plain steps in a row
+    drafted: jax.Array  # [B] bool: the block of the next step was drafted for it (not left from an earlier step)
 
 
 def init_policy(policy: AdaptivePolicy, batch: int, costs: jax.Array) -> PolicyState:
@@ -96,7 +98,8 @@ def init_policy(policy: AdaptivePolicy, batch: int, costs: jax.Array) -> PolicyS
     if costs.shape != (len(policy.choices),):
         raise ValueError(f"costs has shape {costs.shape}, expected one per choice {policy.choices}")
     calibration = jnp.full((batch, 2), policy.prior_weight, jnp.float32)
-    return PolicyState(costs, weight, weight * policy.prior, calibration, jnp.zeros((batch,), jnp.int32))
+    idle = jnp.zeros((batch,), jnp.int32)
+    return PolicyState(costs, weight, weight * policy.prior, calibration, idle, jnp.ones((batch,), bool))
 
 
 def expected_yield(acceptance: jax.Array, choices: tuple[int, ...]) -> jax.Array:
@@ -151,17 +154,20 @@ def observe(
     active: jax.Array,
 ) -> PolicyState:
     """Record a verification of `drafts` (scalar, 0 for a plain step) slots predicted `confidence [B, k]`, in
-    which `n [B]` drafts were accepted, for the active sequences `[B]`."""
+    which `n [B]` drafts were accepted, for the active sequences `[B]`. A block drafted and then not verified
+    (decision 2 chose k = 0) counts as a rejection at slot 1 in the history: that drafting bought nothing."""
     slots = jnp.arange(state.reached.shape[1])
     reached = active[:, None] & (slots < drafts) & (slots <= n[:, None])
+    declined = active & state.drafted & (drafts == 0)
+    seen = reached | (declined[:, None] & (slots == 0))
     hit = (slots < n[:, None]).astype(jnp.float32)
-    decayed = lambda total, value: jnp.where(reached, policy.decay * total + value, total)
+    decayed = lambda total, value: jnp.where(seen, policy.decay * total + value, total)
     verified = active & (drafts > 0)
     pooled = jnp.stack([jnp.sum(hit * reached, -1), jnp.sum(confidence * reached, -1)], -1)
     calibration = jnp.where(verified[:, None], policy.decay * state.calibration + pooled, state.calibration)
     return state._replace(
         reached=decayed(state.reached, 1.0),
-        accepted=decayed(state.accepted, hit),
+        accepted=decayed(state.accepted, jnp.where(reached, hit, 0.0)),
         calibration=calibration,
         idle=jnp.where(active, jnp.where(drafts > 0, 0, state.idle + 1), state.idle),
     )

@@ -336,6 +336,7 @@ def _spec_steps(
             drafting = wants_draft(estimates, policy, ~done)
             draft_tokens, probs, confidence, context = jax.lax.cond(drafting, draft, skip_draft, *operands)
             choice = jnp.where(drafting, step_choice(estimates, policy, confidence, ~done), 0)
+            estimates = estimates._replace(drafted=jnp.broadcast_to(drafting, (batch,)))
         state = SpecState(
             s.step + 1, tokens, num, done, nxt, draft_tokens, probs, confidence, choice, seed, stats, estimates, rng
         )
