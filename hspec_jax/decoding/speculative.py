@@ -12,7 +12,7 @@ Per step, for every sequence of the batch (all on device, in one `lax.while_loop
    verified into their own cache (only the committed ones are ever read).
 
 With an `AdaptivePolicy` (`policy.py`) the number of drafts verified changes per step, among a few compiled
-widths chosen with `lax.switch` (k = 0 is a plain step: one position verified, and the drafter not called for
+widths, each run only when chosen (k = 0 is a plain step: one position verified, and the drafter not called for
 the step after, unless its policy decides to draft: step 4 is then skipped, except that DFlash/DSpark still
 inject the new rows into their cache). Without one, every step verifies the drafter's k.
 
@@ -182,6 +182,15 @@ def _verify(target_params, target, drafter, vocab, sampling, state, cache, rng, 
     return n, nxt, out.cache, taps
 
 
+def _when(pred: jax.Array, fn: Callable, operand):
+    """`fn(operand)` if the scalar `pred`, else `operand`: a while loop of at most one iteration. Unlike `lax.cond`
+    / `lax.switch`, whose outputs XLA copies, a loop carry is updated in place: a step that writes the KV caches
+    under a data-dependent choice must not copy them (a plain step would cost a cache copy more than plain
+    decoding)."""
+    once = lambda carry: (jnp.bool_(True), fn(carry[1]))
+    return jax.lax.while_loop(lambda carry: pred & ~carry[0], once, (jnp.bool_(False), operand))[1]
+
+
 # Both halves of the engine: configs and loop settings are static, the two caches are donated (updated in place).
 _ENGINE_STATIC = ("target", "drafter", "sampling", "max_new_tokens", "eos_ids", "pad_id", "policy")
 _engine_jit = functools.partial(jax.jit, static_argnames=_ENGINE_STATIC, donate_argnames=("cache", "context"))
@@ -282,15 +291,10 @@ def _spec_steps(
         s = carry[0]
         return (s.step < limit) & ~jnp.all(s.done)
 
-    def draft(s, cache, context, nxt, seed, new_context, rng):
+    def draft(cache, nxt, seed, new_context, rng, context):
         return _draft_next(
             target_params, drafter_params, drafter, vocab, sampling, cache, nxt, seed, context, new_context, rng
         )
-
-    def skip_draft(s, cache, context, nxt, seed, new_context, rng):
-        if drafter.owns_kv_cache:
-            context = inject_context(drafter_params, drafter, context, new_context)
-        return s.draft, s.draft_probs, jnp.zeros_like(s.confidence), context
 
     def body(carry):
         s, cache, context = carry
@@ -299,8 +303,12 @@ def _spec_steps(
         start = cache.lengths
         if policy is None:
             n, nxt, cache, taps = verifiers[0](s, cache, accept_rng)
-        else:
-            n, nxt, cache, taps = jax.lax.switch(s.choice, verifiers, s, cache, accept_rng)
+        else:  # one verification runs: the chosen width's
+            taps = jax.eval_shape(verifiers[0], s, cache, accept_rng)[3]
+            out = (jnp.zeros((batch,), jnp.int32), s.anchor, cache, jnp.zeros(taps.shape, taps.dtype))
+            for i, verify in enumerate(verifiers):
+                out = _when(s.choice == i, lambda o, verify=verify: verify(s, o[2], accept_rng), out)
+            n, nxt, cache, taps = out
         drafts = jnp.asarray(choices, jnp.int32)[s.choice]
         n = jnp.where(active, n, 0)
         cache = commit(cache, jnp.where(active, n + 1, 0))
@@ -327,14 +335,17 @@ def _spec_steps(
         )
         seed = jnp.take_along_axis(taps, n[:, None, None], axis=1)[:, 0]  # the last committed row
         new_context = (taps, start[:, None] + slots, start) if drafter.owns_kv_cache else None
-        operands = (s, cache, context, nxt, seed, new_context, draft_rng)
+        operands = (cache, nxt, seed, new_context, draft_rng)
         if policy is None:
-            draft_tokens, probs, confidence, context = draft(*operands)
+            draft_tokens, probs, confidence, context = draft(*operands, context)
             estimates, choice = None, s.choice
         else:
             estimates = observe(s.policy, policy, s.confidence, drafts, n, active)
             drafting = wants_draft(estimates, policy, ~done)
-            draft_tokens, probs, confidence, context = jax.lax.cond(drafting, draft, skip_draft, *operands)
+            kept = (s.draft, s.draft_probs, jnp.zeros_like(s.confidence), context)
+            draft_tokens, probs, confidence, context = _when(drafting, lambda o: draft(*operands, o[3]), kept)
+            if drafter.owns_kv_cache:  # a plain step's row still goes into DFlash's own cache
+                context = _when(~drafting, lambda c: inject_context(drafter_params, drafter, c, new_context), context)
             choice = jnp.where(drafting, step_choice(estimates, policy, confidence, ~done), 0)
             estimates = estimates._replace(drafted=jnp.broadcast_to(drafting, (batch,)))
         state = SpecState(
