@@ -187,7 +187,13 @@ def _when(pred: jax.Array, fn: Callable, operand):
     / `lax.switch`, whose outputs XLA copies, a loop carry is updated in place: a step that writes the KV caches
     under a data-dependent choice must not copy them (a plain step would cost a cache copy more than plain
     decoding)."""
-    once = lambda carry: (jnp.bool_(True), fn(carry[1]))
+
+    def once(carry):
+        # Through a barrier with the loop's flag: XLA then cannot hoist fn's work out of the loop as invariant
+        # (it would run on every call, pred or not).
+        _, x = jax.lax.optimization_barrier(carry)
+        return jnp.bool_(True), fn(x)
+
     return jax.lax.while_loop(lambda carry: pred & ~carry[0], once, (jnp.bool_(False), operand))[1]
 
 
@@ -296,6 +302,12 @@ def _spec_steps(
             target_params, drafter_params, drafter, vocab, sampling, cache, nxt, seed, context, new_context, rng
         )
 
+    def draft_carried(carry):
+        """`draft` on inputs carried by `_when`'s loop (through its barrier): were they loop invariants, XLA would
+        hoist the whole drafter out of the loop and run it on every step, drafting or not."""
+        operands, context = carry[4], carry[3]
+        return (*draft(*operands, context), operands)
+
     def body(carry):
         s, cache, context = carry
         accept_rng, draft_rng, rng = jax.random.split(s.rng, 3)
@@ -342,8 +354,8 @@ def _spec_steps(
         else:
             estimates = observe(s.policy, policy, s.confidence, drafts, n, active)
             drafting = wants_draft(estimates, policy, ~done)
-            kept = (s.draft, s.draft_probs, jnp.zeros_like(s.confidence), context)
-            draft_tokens, probs, confidence, context = _when(drafting, lambda o: draft(*operands, o[3]), kept)
+            kept = (s.draft, s.draft_probs, jnp.zeros_like(s.confidence), context, operands)
+            draft_tokens, probs, confidence, context, (cache, *_) = _when(drafting, draft_carried, kept)
             if drafter.owns_kv_cache:  # a plain step's row still goes into DFlash's own cache
                 context = _when(~drafting, lambda c: inject_context(drafter_params, drafter, c, new_context), context)
             choice = jnp.where(drafting, step_choice(estimates, policy, confidence, ~done), 0)
