@@ -22,9 +22,9 @@ $(STAMP): pyproject.toml Makefile
 DEMO_PROMPT := Explain in two sentences why the sky is blue.
 
 demo: $(STAMP)
-	@echo "== the embedded SmolLM2 target alone, then draft-and-verify with the shipped H-Spec drafter, 2 drafts per step (same run)"
+	@echo "== the embedded SmolLM2 target alone, then draft-and-verify with the shipped H-Spec drafter, the draft length chosen per step (--k auto; same run)"
 	HF_HUB_OFFLINE=1 $(PY) -m eval.generate --target smollm2 --max-new-tokens 64 --prompt "$(DEMO_PROMPT)" \
-		--drafter smollm2-hspec --compare --k 2 --repeats 3
+		--drafter smollm2-hspec --compare --k auto --repeats 3
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,7 +1,7 @@
 """Generate chat answers with a target model, alone or with a speculative drafter, and report the speed.
 
     python -m eval.generate --target smollm2 --prompt "Why is the sky blue?" --max-new-tokens 64
-    python -m eval.generate --target smollm2 --drafter random:hspec --prompt "Hi" [--k 7] [--mesh data=1,model=1]
+    python -m eval.generate --target smollm2 --drafter random:hspec --prompt "Hi" [--k auto|7] [--mesh data=1,model=1]
 
 The answer streams as it is produced (one prompt; a batch prints each completion at the end): decoding runs
 on device in chunks of `--chunk` steps with the caches donated between chunks. Ctrl-C stops within a chunk,
@@ -14,8 +14,13 @@ prints what was generated and exits 130. Then come the speed lines:
 `prefill` is the prompt pass (it also yields each sequence's first token); `decode` the tokens after it. Both
 functions are compiled ahead of time, so no compilation is on the clock; the times are the median of
 `--repeats` warm runs after the printed one (or the printed run itself with `--repeats 0`). With a drafter
-a last line gives `spec: tau=<mean accepted length> steps=<n> accept_by_position=<rates>`, the conditional
-acceptance rate of each draft index given all earlier drafts were accepted (`-`: never reached).
+a last line gives `spec: tau=<mean tokens per step> steps=<n> accept_by_position=<rates>`, the conditional
+acceptance rate of each draft index given all earlier drafts were accepted (`-`: never reached), and with
+`--k auto` (the default with a drafter) `chosen k=<k>:<share of steps>,...`, the draft length chosen per step by
+the adaptive policy (`hspec_jax/decoding/policy.py`; k = 0 is a plain step), from the drafter's confidence, the
+acceptance so far and the step costs measured on this machine at first use (cached under
+`~/.cache/hspec_jax/costs/`), and `step costs T(k)/T(0) k=<k>:<cost>,...`, that table. `--k N` drafts N tokens
+every step.
 
 `--compare` (with a drafter) runs plain decoding first, then draft-and-verify, both timed the same way, and
 ends with `same text as plain decoding: yes (greedy)` (exit 1 if a greedy answer differs) and
@@ -58,6 +63,7 @@ from hspec_jax.cli import (
 )
 from hspec_jax.decoding import SamplingConfig, chat_prompt_ids, pad_batch
 from hspec_jax.decoding.autoregressive import decode_chunk, prefill, start_decode
+from hspec_jax.decoding.costs import engine_shape
 from hspec_jax.decoding.limits import (
     cache_rows,
     check_cache_length,
@@ -66,7 +72,8 @@ from hspec_jax.decoding.limits import (
     memory_needed,
     tree_bytes,
 )
-from hspec_jax.decoding.speculative import SpecStats, spec_decode_chunk, spec_prefill
+from hspec_jax.decoding.policy import AdaptivePolicy
+from hspec_jax.decoding.speculative import SpecStats, measure_costs, spec_decode_chunk, spec_prefill
 from hspec_jax.drafters import DRAFTER_KINDS, init_drafter, init_from_target
 from hspec_jax.drafters.config import check_target
 from hspec_jax.drafters.dflash import drafter_context
@@ -78,9 +85,15 @@ from hspec_jax.recipes import drafter_from_recipe, load_config
 
 DEFAULT_RECIPES = {"smollm2": "smollm2"}
 MAX_K = 15
+AUTO = "auto"  # --k auto: the adaptive draft length
 # Decoding steps per streamed chunk: the overhead against one uninterrupted loop is measured in
 # benchmarks/results/streaming.md (python -m benchmarks.streaming).
 DEFAULT_CHUNK = 8
+
+
+def draft_length(text: str) -> str | int:
+    """`--k`: "auto" or a positive integer."""
+    return AUTO if text == AUTO else positive_int(text)
 
 
 def parse_args(argv: list[str] | None = None):
@@ -99,7 +112,10 @@ def parse_args(argv: list[str] | None = None):
         "--recipe", default=None, help="recipe name or file for random:<kind> drafters (default: smollm2's)"
     )
     parser.add_argument(
-        "--k", type=positive_int, default=None, help=f"drafted tokens per step, 1..{MAX_K} (default: the drafter's)"
+        "--k",
+        type=draft_length,
+        default=None,
+        help=f"drafted tokens per step, 1..{MAX_K}, or auto: chosen per step up to the drafter's k (the default)",
     )
     parser.add_argument("--mesh", default="data=1,model=1", help="device mesh, e.g. data=2,model=4")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
@@ -136,7 +152,7 @@ def check_args(args) -> None:
         raise InputError("--compare puts plain decoding beside draft-and-verify: it needs --drafter")
     if args.k is not None and args.drafter is None:
         raise InputError("--k sets the drafted tokens per step: it needs --drafter")
-    if args.k is not None and args.k > MAX_K:
+    if isinstance(args.k, int) and args.k > MAX_K:
         raise InputError(f"--k must be in 1..{MAX_K}, got {args.k}")
     random_drafter = args.drafter is not None and args.drafter.startswith("random:")
     if args.recipe is not None and not random_drafter:
@@ -213,9 +229,14 @@ def drafter_config(args, target):
     try:
         check_target(config, target)
         config = config.replace(target=target)
-        return config if args.k is None else config.with_drafts(args.k)
+        return config.with_drafts(args.k) if isinstance(args.k, int) else config
     except ValueError as e:
         raise InputError(f"--drafter {args.drafter}: {e}") from None
+
+
+def drafting_policy(args, drafter) -> AdaptivePolicy | None:
+    """The adaptive policy up to the drafter's k for `--k auto` (the default), None for a fixed `--k N`."""
+    return None if isinstance(args.k, int) else AdaptivePolicy.for_drafts(drafter.num_drafts)
 
 
 def encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
@@ -261,11 +282,13 @@ class Engine(NamedTuple):
     """Ahead-of-time compiled generation: `start(prompts=None, seed=None)` -> state after prefill (of the compiled
     prompts and seed, or of new `(tokens, lengths)` of the same shape and a new seed); `step(state, steps)` ->
     state after at most `steps` (an int32 array) more decoding steps; `view(state)` -> (tokens
-    [B, max_new_tokens], num [B], done [B], stats or None) on the host. One compilation serves every chunk size."""
+    [B, max_new_tokens], num [B], done [B], stats or None) on the host. One compilation serves every chunk size.
+    `costs`: the adaptive policy's cost table T(k) / T(0) (numpy), None without one."""
 
     start: Callable
     step: Callable
     view: Callable
+    costs: np.ndarray | None = None
 
 
 def generate_streaming(
@@ -356,8 +379,10 @@ def compile_speculative(
     pad_id,
     seed,
     mesh=None,
+    policy: AdaptivePolicy | None = None,
 ) -> Engine:
-    """As `compile_autoregressive`, for draft-and-verify; `view` also returns the `SpecStats`."""
+    """As `compile_autoregressive`, for draft-and-verify; `view` also returns the `SpecStats`. With an adaptive
+    `policy`, its step costs for this machine and shape are read from the cache or measured here (`costs.py`)."""
     rng = jax.random.key(seed)
     place = Placement(mesh, target.head_dim)
     target_params, drafter_params = place.params(target_params), place.params(drafter_params)
@@ -367,23 +392,33 @@ def compile_speculative(
         batch = tokens.shape[0]
         return place.kv((init_cache(target, batch, capacity), drafter_context(drafter, batch, capacity)))
 
-    kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
+    kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
     models = (target_params, target, drafter_params, drafter, vocab)
-    pre_c = spec_prefill.lower(*models, tokens, lengths, *fresh_caches(), rng, **kw).compile()
-    carry = jax.eval_shape(lambda: spec_prefill(*models, tokens, lengths, *fresh_caches(), rng, **kw))
+    costs = None if policy is None else jnp.ones(len(policy.choices), jnp.float32)
+    pre_c = spec_prefill.lower(*models, tokens, lengths, *fresh_caches(), rng, costs, **kw).compile()
+    carry = jax.eval_shape(lambda: spec_prefill(*models, tokens, lengths, *fresh_caches(), rng, costs, **kw))
     step_c = spec_decode_chunk.lower(*models, *carry, jnp.int32(1), **kw).compile()
+    run_steps = lambda carry, steps: step_c(target_params, drafter_params, vocab, *carry, jnp.int32(steps))
+
+    def prefill_with(step_costs, prompts=(tokens, lengths), key=rng):
+        caches = jax.block_until_ready(fresh_caches())
+        return pre_c(target_params, drafter_params, vocab, *prompts, *caches, key, step_costs)
+
+    if policy is not None:
+        shape = engine_shape(target, drafter, sampling, tokens.shape[0], capacity)
+        costs = measure_costs(prefill_with, run_steps, policy, shape)
 
     def start(prompts=None, seed=None):
         prompts = (tokens, lengths) if prompts is None else place.batch(*prompts)
         key = rng if seed is None else jax.random.key(seed)
-        return pre_c(target_params, drafter_params, vocab, *prompts, *jax.block_until_ready(fresh_caches()), key)
+        return prefill_with(costs, prompts, key)
 
     def view(carry):
         s = carry[0]
         tokens, num, done, stats = jax.device_get((s.tokens[:, :max_new_tokens], s.num, s.done, s.stats))
         return tokens, num, done, SpecStats(*stats)
 
-    return Engine(start, lambda carry, steps: step_c(target_params, drafter_params, vocab, *carry, steps), view)
+    return Engine(start, run_steps, view, None if policy is None else np.asarray(costs))
 
 
 class Interrupt:
@@ -458,6 +493,17 @@ def progress(message: str) -> None:
 def format_rates(rates: list[float]) -> str:
     """Acceptance rates per draft index, `-` where the index was never reached."""
     return ",".join("-" if np.isnan(r) else f"{r:.2f}" for r in rates)
+
+
+def format_k(policy: AdaptivePolicy | None, drafter) -> str:
+    return f"{drafter.num_drafts}" if policy is None else f"auto (up to {policy.max_drafts})"
+
+
+def format_chosen(choices: tuple[int, ...], stats: SpecStats) -> str:
+    """Share of steps at each draft length, e.g. `k=0:0.81,1:0.12,2:0.07,4:0.00,7:0.00`."""
+    counts = np.asarray(stats.chosen).sum(0)
+    shares = counts / max(int(counts.sum()), 1)
+    return "k=" + ",".join(f"{c}:{x:.2f}" for c, x in zip(choices, shares, strict=True))
 
 
 def speed_lines(prompt_tokens: int, result: Result, batch: int, timed: str) -> list[str]:
@@ -551,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(speed_lines(int(lengths.sum()), runs["plain"].result, len(ids), runs["plain"].what)))
         if request.drafter is not None:
             drafter_params, vocab = interrupt.wait_for(load_drafter, args.drafter, request.drafter, params, ids)
-            progress("compiling ...")
+            policy = drafting_policy(args, request.drafter)
+            progress("compiling (and, for --k auto, measuring step costs once per machine and shape) ...")
             engine = interrupt.wait_for(
                 compile_speculative,
                 params,
@@ -563,18 +610,23 @@ def main(argv: list[str] | None = None) -> int:
                 lengths,
                 request.capacity,
                 **kw,
+                policy=policy,
             )
             if args.compare:
-                print(f"== draft-and-verify with {args.drafter}")
+                print(f"== draft-and-verify with {args.drafter}, k={format_k(policy, request.drafter)}")
             runs["spec"] = run_engine(engine, args, tokenizer, interrupt, len(ids))
             if runs["spec"] is None:
                 return EXIT_INTERRUPTED
             spec = runs["spec"]
             print("\n".join(speed_lines(int(lengths.sum()), spec.result, len(ids), spec.what)))
             stats = spec.shown.stats
+            chosen = ""
+            if policy is not None:
+                measured = ",".join(f"{c}:{x:.2f}" for c, x in zip(policy.choices, engine.costs, strict=True))
+                chosen = f" chosen {format_chosen(policy.choices, stats)} step costs T(k)/T(0) k={measured}"
             print(
                 f"spec: tau={stats.tau():.2f} steps={int(np.sum(stats.steps))} accept_by_position="
-                f"{format_rates(stats.acceptance_by_position())}"
+                f"{format_rates(stats.acceptance_by_position())}{chosen}"
             )
     if args.compare:
         plain, spec = runs["plain"], runs["spec"]

@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 from eval.chat import ChatEncoder
 from eval.generate import (
+    AUTO,
     DEFAULT_RECIPES,
     MAX_K,
     compile_autoregressive,
@@ -58,6 +59,7 @@ from eval.report import PLAIN, write_report
 from hspec_jax.checkpoints import CheckpointError, load_target, load_tokenizer
 from hspec_jax.cli import DEFAULT_COMPILE_CACHE, ArgumentParser, check_output_dir, positive_int, run
 from hspec_jax.decoding import SamplingConfig, bucketed_shapes, pad_batch
+from hspec_jax.decoding.policy import AdaptivePolicy
 from hspec_jax.models import check_capacity, init_params
 from hspec_jax.recipes import load_config, target_config
 
@@ -65,13 +67,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANDOM_TARGET_SCALE = 4.0  # random targets: 2-D weights x4, so greedy argmaxes are far from ties
 
 
-def parse_ks(text: str) -> tuple[int, ...]:
-    """`--k 2,3,7` -> (2, 3, 7): distinct draft lengths in 1..MAX_K."""
+def parse_ks(text: str) -> tuple[int | str, ...]:
+    """`--k auto,2,7` -> ("auto", 2, 7): distinct draft lengths in 1..MAX_K, or auto (the adaptive policy)."""
     try:
-        ks = tuple(int(x) for x in text.split(","))
+        ks = tuple(AUTO if x == AUTO else int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--k takes comma-separated integers, got {text!r}") from None
-    if not all(1 <= k <= MAX_K for k in ks) or len(set(ks)) != len(ks):
+        raise argparse.ArgumentTypeError(f"--k takes comma-separated integers or auto, got {text!r}") from None
+    if not all(k == AUTO or 1 <= k <= MAX_K for k in ks) or len(set(ks)) != len(ks):
         raise argparse.ArgumentTypeError(f"--k takes distinct integers in 1..{MAX_K}, got {text!r}")
     return ks
 
@@ -87,8 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--k",
         type=parse_ks,
         default=None,
-        help=f"drafted tokens per step, comma-separated (e.g. 2,3,7): every drafter runs at each, 1..{MAX_K} "
-        "(default: each drafter's own)",
+        help=f"drafted tokens per step, comma-separated (e.g. auto,2,7): every drafter runs at each, 1..{MAX_K} "
+        "or auto (chosen per step up to the drafter's k; default: each drafter's own k)",
     )
     parser.add_argument("--tasks", default="all", help="all, or a comma-separated list such as math,code")
     parser.add_argument(
@@ -140,6 +142,7 @@ class Method(NamedTuple):
     name: str
     drafter: tuple | None  # (config, params, vocab); None for plain decoding
     lookahead: int  # cache rows a step needs beyond the committed ones (k + 1; 0 for plain decoding)
+    policy: AdaptivePolicy | None = None  # k=auto: the adaptive draft length up to the drafter's k
 
 
 def load_methods(
@@ -147,22 +150,23 @@ def load_methods(
     target_spec: str,
     drafters: list[str],
     prompt_ids: list[list[int]],
-    ks: tuple[int, ...] | None = None,
+    ks: tuple[int | str, ...] | None = None,
 ) -> list[Method]:
     """Plain decoding, then one method per drafter spec (a checkpoint directory or random:<kind>; a random drafter's
     vocabulary comes from `prompt_ids`) and per draft length in `ks` (named `SPEC k=K`; None: the drafter's own k,
-    named `SPEC`). A shorter k drafts a shorter block with the same weights: the H-Spec kinds, causal inside the
-    block, propose the same first k tokens as with their full block; DFlash and DSpark, bidirectional, propose
-    other (still verified) ones."""
+    named `SPEC`; auto: `SPEC k=auto`, the adaptive policy up to the drafter's own k). A shorter k drafts a shorter
+    block with the same weights: the H-Spec kinds, causal inside the block, propose the same first k tokens as with
+    their full block; DFlash and DSpark, bidirectional, propose other (still verified) ones."""
     methods = [Method(PLAIN, None, 0)]
     for spec in drafters:
         request = argparse.Namespace(drafter=spec, recipe=target.recipe, target=target_spec, k=None)
         config = drafter_config(request, target.config)
         params, vocab = load_drafter(spec, config, target.params, prompt_ids)
         for k in ks or (None,):
-            sized = config if k is None else config.with_drafts(k)
+            sized = config.with_drafts(k) if isinstance(k, int) else config
             name = spec if k is None else f"{spec} k={k}"
-            methods.append(Method(name, (sized, params, vocab), sized.num_drafts + 1))
+            policy = AdaptivePolicy.for_drafts(config.num_drafts) if k == AUTO else None
+            methods.append(Method(name, (sized, params, vocab), sized.num_drafts + 1, policy))
     return methods
 
 
@@ -237,7 +241,7 @@ class Evaluation:
             else:
                 config, params, vocab = method.drafter
                 self.runners[key] = compile_speculative(
-                    t.params, t.config, params, config, vocab, tokens, lengths, capacity, **kw
+                    t.params, t.config, params, config, vocab, tokens, lengths, capacity, **kw, policy=method.policy
                 )
             progress.set_postfix_str("")
         self.kv_peak[method.name] = max(self.kv_peak[method.name], tokens.shape[0] * capacity)
@@ -307,8 +311,20 @@ class Evaluation:
                 row["accepted"] = int(stats.accepted[b])
                 row["reached_at"] = np.asarray(stats.reached_at[b]).tolist()
                 row["accepted_at"] = np.asarray(stats.accepted_at[b]).tolist()
+                row["predicted_at"] = np.asarray(stats.predicted_at[b]).round(4).tolist()
+                row["k_steps"] = steps_by_draft_length(method, np.asarray(stats.chosen[b]))
             rows.append(row)
         return outputs, rows
+
+
+def steps_by_draft_length(method: Method, chosen: np.ndarray) -> list[int]:
+    """A row's steps per draft length `[k + 1]` (index = drafts verified; 0 = plain steps) from its counts per
+    choice of the method's policy (fixed k: one choice)."""
+    config = method.drafter[0]
+    choices = method.policy.choices if method.policy else (config.num_drafts,)
+    counts = np.zeros(config.num_drafts + 1, np.int64)
+    counts[list(choices)] = chosen
+    return counts.tolist()
 
 
 def method_meta(method: Method, target_config, kv_peak_rows: int) -> dict:
@@ -322,7 +338,9 @@ def method_meta(method: Method, target_config, kv_peak_rows: int) -> dict:
     return {
         "name": method.name,
         "kind": config.kind,
-        "k": config.num_drafts,
+        "k": AUTO if method.policy else config.num_drafts,
+        "k_max": config.num_drafts,
+        "confidence_head": config.confidence_head,
         "kv_bytes_per_token": per_token,
         "kv_bytes_peak": per_token * kv_peak_rows,
     }

@@ -6,7 +6,9 @@ A row is one prompt x method x turn: `task`, `prompt_id`, `turn`, `method`, `uni
 the prompt itself at batch size 1), `call` (one timed generation; a batch shares it), `call_seconds` and
 `call_prefill_seconds` (wall time of that generation and of its prefill), `call_steps` (decode-loop iterations:
 target forwards after the prefill), `tokens` (new tokens of this row), and for speculative methods `steps`,
-`accepted`, `reached_at`/`accepted_at` (per draft index) and `identical` (same tokens as plain decoding).
+`accepted`, `reached_at`/`accepted_at`/`predicted_at` (per draft index; predicted: the sum of the drafter's
+predicted acceptance when reached), `k_steps` (steps per number of drafts verified, 0 = plain steps) and `identical`
+(same tokens as plain decoding).
 
 Definitions (pooled over the rows of a task, or of all tasks):
   tau                = (accepted + steps) / steps, the mean tokens emitted per draft-and-verify step
@@ -17,6 +19,9 @@ Definitions (pooled over the rows of a task, or of all tasks):
                        excluded, as the paper reports), wall clock, same run
   predicted speedup  = tau * T_plain / T_step, T_plain = plain decode seconds per forward, T_step = seconds per
                        draft-and-verify step (both measured in this run: the latency model)
+  k share            = share of a method's steps that verified k drafts (k=auto: the adaptive policy's choices)
+  calibration i      = predicted_at[i] / reached_at[i] (mean predicted acceptance of draft i: the confidence head's
+                       sigmoid, or the top draft probability without one) beside acceptance i
 Relative gains between drafters get paired bootstrap 95% intervals over units (`eval.bootstrap`).
 """
 
@@ -56,6 +61,8 @@ class Totals:
     accepted: int = 0
     reached_at: np.ndarray = field(default_factory=lambda: np.zeros(0))
     accepted_at: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    predicted_at: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    k_steps: np.ndarray = field(default_factory=lambda: np.zeros(0))
     identical: int = 0
     compared: int = 0
 
@@ -83,6 +90,18 @@ class Totals:
         with np.errstate(invalid="ignore", divide="ignore"):
             return self.accepted_at / self.reached_at
 
+    def predicted_by_position(self) -> np.ndarray:
+        """Mean predicted acceptance of draft i over the steps that reached it (nan where never reached)."""
+        if not len(self.predicted_at):
+            return np.full(len(self.reached_at), np.nan)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self.predicted_at / self.reached_at
+
+    def k_shares(self) -> np.ndarray:
+        """Share of steps that verified k = 0, 1, ... drafts."""
+        total = self.k_steps.sum()
+        return self.k_steps / total if total else self.k_steps
+
     def tau_by_block_position(self) -> np.ndarray:
         return 1.0 + np.cumsum(self.accepted_at) / self.steps if self.steps else np.full(len(self.accepted_at), np.nan)
 
@@ -102,6 +121,9 @@ def totals(rows: list[dict]) -> Totals:
                 t.reached_at, t.accepted_at = np.zeros(len(r["reached_at"])), np.zeros(len(r["accepted_at"]))
             t.reached_at = t.reached_at + np.asarray(r["reached_at"])
             t.accepted_at = t.accepted_at + np.asarray(r["accepted_at"])
+            if "predicted_at" in r:
+                t.predicted_at = _add(t.predicted_at, r["predicted_at"])
+                t.k_steps = _add(t.k_steps, r["k_steps"])
         if r.get("identical") is not None:
             t.compared += 1
             t.identical += bool(r["identical"])
@@ -109,6 +131,11 @@ def totals(rows: list[dict]) -> Totals:
     t.prefill_seconds = sum(c[1] for c in calls.values())
     t.call_steps = sum(c[2] for c in calls.values())
     return t
+
+
+def _add(total: np.ndarray, values: list) -> np.ndarray:
+    values = np.asarray(values, np.float64)
+    return values if not len(total) else total + values
 
 
 def group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
@@ -237,6 +264,9 @@ def write_report(out_dir: str, rows: list[dict], meta: dict) -> list[str]:
             t = overall[m] if task == "all" else by[(m, task)]
             rates = [fmt(x) for x in t.acceptance_by_position()] + [""] * (k_max - len(t.reached_at))
             lines.append(f"| {m} | {task} | " + " | ".join(rates) + " |")
+    lines += draft_length_lines(meta["methods"], tasks, by, overall)
+    calibrated = [m["name"] for m in meta["methods"] if m.get("confidence_head")]
+    lines += calibration_lines(calibrated, overall, k_max)
     if len(drafters) >= 2:
         lines += [
             "",
@@ -249,12 +279,92 @@ def write_report(out_dir: str, rows: list[dict], meta: dict) -> list[str]:
             "|---|---|---|---|---|",
             *bootstrap_rows(rows, drafters, tasks, meta["bootstrap_resamples"], meta["seed"]),
         ]
-    lines += ["", "## Plots", ""] + [f"![{title}]({name})" for name, title in PLOTS.items()]
+    plots = dict(PLOTS) if not calibrated else {**PLOTS, CALIBRATION_PLOT: CALIBRATION_TITLE}
+    lines += ["", "## Plots", ""] + [f"![{title}]({name})" for name, title in plots.items()]
     os.makedirs(out_dir, exist_ok=True)
     report = os.path.join(out_dir, "report.md")
     with open(report, "w") as f:
         f.write("\n".join(lines) + "\n")
-    return [report, *plot(out_dir, drafters, tasks, by, overall)]
+    paths = plot(out_dir, drafters, tasks, by, overall)
+    if calibrated:
+        paths.append(plot_calibration(out_dir, calibrated, overall))
+    return [report, *paths]
+
+
+def draft_length_lines(methods: list[dict], tasks: list[str], by: dict, overall: dict) -> list[str]:
+    """Markdown: share of steps per draft length, per task, for the k=auto methods (none: no lines)."""
+    adaptive = [m for m in methods if m["k"] == "auto"]
+    if not adaptive:
+        return []
+    k_max = max(m["k_max"] for m in adaptive)
+    lines = [
+        "",
+        "## Draft length chosen per step (k=auto; k = 0 is a plain step, the drafter not called)",
+        "",
+        "| method | task | mean k | " + " | ".join(f"k={k}" for k in range(k_max + 1)) + " |",
+        "|---|---|---|" + "---|" * (k_max + 1),
+    ]
+    for m in adaptive:
+        for task in ["all", *tasks]:
+            t = overall[m["name"]] if task == "all" else by[(m["name"], task)]
+            shares = t.k_shares()
+            mean = float(np.dot(shares, np.arange(len(shares)))) if len(shares) else float("nan")
+            cells = [fmt(x) for x in shares] + [""] * (k_max + 1 - len(shares))
+            lines.append(f"| {m['name']} | {task} | {fmt(mean)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+CALIBRATION_PLOT = "calibration.png"
+CALIBRATION_TITLE = "confidence calibration: predicted vs observed acceptance per draft index"
+
+
+def calibration_lines(methods: list[str], overall: dict, k_max: int) -> list[str]:
+    """Markdown: predicted vs observed conditional acceptance per draft index, for drafters with a confidence
+    head (none: no lines)."""
+    if not methods:
+        return []
+    lines = [
+        "",
+        "## Confidence head calibration (all tasks): predicted / observed acceptance by draft index",
+        "",
+        "| method | " + " | ".join(str(i + 1) for i in range(k_max)) + " |",
+        "|---|" + "---|" * k_max,
+    ]
+    for m in methods:
+        t = overall[m]
+        pairs = zip(t.predicted_by_position(), t.acceptance_by_position(), strict=True)
+        cells = [f"{fmt(p)} / {fmt(o)}" for p, o in pairs] + [""] * (k_max - len(t.reached_at))
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot_calibration(out_dir: str, methods: list[str], overall: dict) -> str:
+    """Reliability plot: per draft index, the mean predicted acceptance (x) against the observed one (y)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.plot([0, 1], [0, 1], color="gray", linewidth=0.8, label="perfect calibration")
+    for m in methods:
+        t = overall[m]
+        predicted, observed = t.predicted_by_position(), t.acceptance_by_position()
+        ax.plot(predicted, observed, marker="o", label=m)
+        for i, (x, y) in enumerate(zip(predicted, observed, strict=True)):
+            if np.isfinite(x) and np.isfinite(y):
+                ax.annotate(str(i + 1), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("predicted acceptance (mean over steps reaching draft i)")
+    ax.set_ylabel("observed acceptance")
+    ax.set_title("confidence calibration (all tasks)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(out_dir, CALIBRATION_PLOT)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def plot(out_dir: str, drafters: list[str], tasks: list[str], by: dict, overall: dict) -> list[str]:

@@ -5,7 +5,9 @@
     python -m eval.serving --target random:tiny --drafter random:hspec --drafter random:dflash --concurrency 1,4 \\
         --requests 8 --max-new-tokens 16 --memory-budget 400KiB --out /tmp/serving-tiny
 
-For each method (plain decoding, then each `--drafter`) and each concurrency c, an engine with c slots
+For each method (plain decoding, then each `--drafter`, at each `--k`: e.g. `--k auto,7`, auto choosing the draft
+length per step, its step costs measured once per machine and concurrency on the contiguous-cache loop of that
+batch and cached) and each concurrency c, an engine with c slots
 (`hspec_jax.serving`) answers `--requests` requests: the first turns of the evaluation prompts (`--tasks`, spread
 over the tasks, repeated if there are fewer), sent by a load generator:
 
@@ -45,10 +47,11 @@ import shlex
 import sys
 import time
 
+import jax
 import numpy as np
 
 from eval.machine import machine_facts
-from eval.main import DEFAULT_COMPILE_CACHE, Method, Target, load_eval_target, load_methods
+from eval.main import DEFAULT_COMPILE_CACHE, Method, Target, load_eval_target, load_methods, parse_ks
 from eval.prompts import load_prompts, parse_tasks
 from eval.report import PLAIN, fmt
 from hspec_jax.cli import (
@@ -61,8 +64,11 @@ from hspec_jax.cli import (
     positive_int,
     run,
 )
-from hspec_jax.decoding import SamplingConfig
+from hspec_jax.decoding import SamplingConfig, bucket, pad_batch
+from hspec_jax.decoding.speculative import adaptive_costs
+from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.errors import InputError
+from hspec_jax.models import init_cache
 from hspec_jax.serving import Completion, Model, Request, ServingConfig, ServingEngine, page_bytes, pages_for
 
 ARRIVALS = ("closed", "poisson")
@@ -79,6 +85,9 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--target", default="smollm2", help="smollm2, HF dir, .gguf, Orbax dir, random:<recipe>")
     parser.add_argument("--drafter", action="append", default=[], help="checkpoint dir or random:<kind>; repeatable")
     parser.add_argument("--recipe", default=None, help="recipe for random:<kind> drafters (default: the target's)")
+    parser.add_argument(
+        "--k", type=parse_ks, default=None, help="draft lengths per drafter, e.g. auto,7 (default: the drafter's k)"
+    )
     parser.add_argument("--tasks", default="all", help="all, or a comma-separated list such as math,code")
     parser.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8], help="slots per engine, e.g. 1,2,4,8")
     parser.add_argument("--requests", type=positive_int, default=32, help="requests per method and concurrency")
@@ -107,6 +116,8 @@ def check_args(args) -> None:
         raise InputError("--rate sets Poisson arrivals: it needs --arrival poisson")
     if len(set(args.drafter)) != len(args.drafter):
         raise InputError("each --drafter may be given once")
+    if args.k and not args.drafter:
+        raise InputError("--k sets the drafted tokens per step: it needs --drafter")
     try:
         parse_tasks(args.tasks)
     except ValueError as e:
@@ -127,6 +138,32 @@ def served(target: Target, method: Method) -> Model:
         return Model(target.params, target.config)
     config, params, vocab = method.drafter
     return Model(target.params, target.config, params, config, vocab)
+
+
+def policy_costs(model: Model, method: Method, slots: int, prompt: list[int], args):
+    """The adaptive policy's cost table at `slots` sequences (None for a fixed k): cached, or measured on the
+    contiguous-cache loop at that batch, every sequence answering `prompt`."""
+    if method.policy is None:
+        return None
+    tokens, lengths = pad_batch([prompt] * slots, 0, bucket(len(prompt)))
+    capacity = bucket(tokens.shape[1] + args.max_new_tokens + model.lookahead)
+
+    def fresh_caches():
+        return init_cache(model.target, slots, capacity), drafter_context(model.drafter, slots, capacity)
+
+    sampling = SamplingConfig(temperature=args.temperature)
+    models = (model.target_params, model.target, model.drafter_params, model.drafter, model.vocab)
+    return adaptive_costs(
+        models,
+        tokens,
+        lengths,
+        fresh_caches,
+        capacity,
+        jax.random.key(args.seed),
+        policy=method.policy,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+    )
 
 
 def pool_pages(model: Model, args, slots: int, max_prompt: int) -> int:
@@ -237,8 +274,10 @@ def serve(target: Target, method: Method, slots: int, prompts: list[list[int]], 
         eos_ids=target.eos_ids,
         pad_id=target.pad_id,
         seed=args.seed,
+        policy=method.policy,
     )
-    engine = ServingEngine(model, config)
+    costs = policy_costs(model, method, slots, min(prompts, key=len), args)
+    engine = ServingEngine(model, config, costs=costs)
     if engine.submit(Request("warm-up", tuple(min(prompts, key=len)))) is None:  # compiles the engine's programs
         while engine.busy:
             engine.step()
@@ -374,14 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target = load_eval_target(args.target, args.recipe, args.seed)
         prompts = request_prompts(target, args.tasks, args.requests)
-        methods = load_methods(target, args.target, args.drafter, prompts)
+        methods = load_methods(target, args.target, args.drafter, prompts, args.k)
     except (ValueError, FileNotFoundError) as e:  # InputError and CheckpointError are ValueErrors too
         raise InputError(str(e)) from None
     max_prompt = args.max_prompt_tokens or max(len(p) for p in prompts)
     os.makedirs(args.out, exist_ok=True)
     if args.compile_cache:
-        import jax
-
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     rows = []

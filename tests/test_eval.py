@@ -170,19 +170,27 @@ def test_eval_main_end_to_end_on_the_tiny_random_target(tmp_path):
     assert eval_report.main([str(out)]) == 0 and (out / "report.md").read_text() == text
 
 
-def test_eval_main_runs_each_drafter_at_each_k(tmp_path):
-    """`--k 2,7`: one method per drafter and draft length, named `SPEC k=K`, each lossless and verifying K drafts."""
+def test_eval_main_runs_each_drafter_at_each_k(tmp_path, monkeypatch):
+    """`--k auto,2,7`: one method per drafter and draft length, named `SPEC k=K`, each lossless; fixed K verifies K
+    drafts every step, auto reports its draft lengths per task and the confidence head's calibration."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # auto's step costs, measured once
     out = tmp_path / "eval"
-    argv = ["--target", "random:tiny", "--drafter", "random:hspec", "--k", "2,7", "--tasks", "math"]
+    argv = ["--target", "random:tiny", "--drafter", "random:hspec", "--k", "auto,2,7", "--tasks", "math"]
     argv += ["--num-prompts", "1", "--max-new-tokens", "4", "--prompt-width", "1024", "--cache-length", "1040"]
     argv += ["--bootstrap-resamples", "10", "--compile-cache", "", "--out", str(out)]
     assert eval_main.main(argv) == 0
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert {r["method"] for r in rows} == {"plain", "random:hspec k=2", "random:hspec k=7"}
+    assert {r["method"] for r in rows} == {"plain", "random:hspec k=auto", "random:hspec k=2", "random:hspec k=7"}
     for r in rows:
-        if r["method"] != "plain":
-            assert r["identical"] and len(r["reached_at"]) == int(r["method"][-1])
-    assert "| random:hspec k=2 | 2 |" in (out / "report.md").read_text()
+        if r["method"] == "random:hspec k=auto":
+            assert r["identical"] and len(r["k_steps"]) == 8 and sum(r["k_steps"]) == r["steps"]
+        elif r["method"] != "plain":
+            k = int(r["method"][-1])
+            assert r["identical"] and len(r["reached_at"]) == k and r["k_steps"][k] == r["steps"]
+    text = (out / "report.md").read_text()
+    assert "| random:hspec k=2 | 2 |" in text and "| random:hspec k=auto | auto |" in text
+    assert "## Draft length chosen per step" in text and "| random:hspec k=auto | math |" in text
+    assert "## Confidence head calibration" in text and (out / "calibration.png").stat().st_size > 0
 
 
 def test_a_greedy_mismatch_names_the_prompt():

@@ -15,6 +15,7 @@ import pytest
 from eval import serving as eval_serving
 from hspec_jax.cli import run
 from hspec_jax.decoding import generate, pad_batch
+from hspec_jax.decoding.policy import AdaptivePolicy
 from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.models import init_cache, init_params
@@ -133,7 +134,7 @@ def served_model(kind, target_params, prompts):
     return Model(target_params, TARGET, params, config, vocab)
 
 
-def small_pool_config(model: Model, prompts) -> ServingConfig:
+def small_pool_config(model: Model, prompts, policy=None) -> ServingConfig:
     """Two slots, prompts longer than a prefill chunk, a pool for one full request and a bit (two must preempt)."""
     page = 4
     one_request = -(-(max(map(len, prompts)) + MAX_NEW + model.lookahead) // page)
@@ -146,15 +147,23 @@ def small_pool_config(model: Model, prompts) -> ServingConfig:
         prefill_chunk=8,
         steps_per_iteration=2,
         eos_ids=(EOS,),
+        policy=policy,
     )
 
 
-@pytest.mark.parametrize("kind", ["plain", "hspec", "dflash"])
-def test_continuous_batching_is_lossless(kind, target_params, prompts, alone):
+# Cheap drafting at first, so that an adaptive engine mixes draft lengths before it falls back to plain steps.
+ADAPTIVE_COSTS = np.array([1.0, 1.0, 1.05, 1.1, 1.2], np.float32)
+
+
+@pytest.mark.parametrize("kind,adaptive", [("plain", False), ("hspec", False), ("dflash", False), ("hspec", True)])
+def test_continuous_batching_is_lossless(kind, adaptive, target_params, prompts, alone):
     """Two slots, six requests arriving over time, prompts longer than a prefill chunk, and a pool too small for
-    two full requests (preemption): every answer equals plain decoding of the request alone."""
+    two full requests (preemption): every answer equals plain decoding of the request alone, with a fixed k or
+    the adaptive draft length."""
     model = served_model(kind, target_params, prompts)
-    engine = ServingEngine(model, small_pool_config(model, prompts))
+    policy = AdaptivePolicy.for_drafts(model.drafter.num_drafts) if adaptive else None
+    costs = ADAPTIVE_COSTS if adaptive else None
+    engine = ServingEngine(model, small_pool_config(model, prompts, policy), costs=costs)
     assert engine.submit(Request("too-long", (5,) * 25)).refused.startswith("prompt of 25 tokens exceeds")
     done = {}
     arrivals = {0: [0, 1], 2: [2], 3: [3], 6: [4, 5]}  # iteration -> requests submitted then
@@ -177,6 +186,9 @@ def test_continuous_batching_is_lossless(kind, target_params, prompts, alone):
         assert sum(n for _, n in c.bursts) == len(c.tokens)
         if model.drafter is not None:
             assert c.steps >= 1 and 0 <= c.accepted <= c.steps * model.drafter.num_drafts
+    if adaptive:
+        chosen = np.asarray(engine.state.stats.chosen).sum(0)
+        assert chosen[0] > 0 and chosen[1:].sum() > 0, chosen  # plain steps and drafted ones
 
 
 @pytest.mark.parametrize("kind", ["plain", "hspec", "dflash"])
@@ -221,18 +233,22 @@ def test_load_generator_sends_every_request(arrival, target_params, prompts, alo
 def test_eval_serving_on_the_tiny_random_target(tmp_path):
     """A short sweep: plain decoding and H-Spec, two slots, under a KV budget; the report and its plots."""
     out = tmp_path / "serving"
-    argv = ["--target", "random:tiny", "--drafter", "random:hspec", "--tasks", "qa", "--requests", "3"]
-    argv += ["--concurrency", "2", "--max-new-tokens", "8", "--memory-budget", "200KiB", "--compile-cache", ""]
-    assert eval_serving.main([*argv, "--out", str(out)]) == 0
+    argv = ["--target", "random:tiny", "--drafter", "random:hspec", "--k", "auto,7", "--tasks", "qa"]
+    argv += ["--requests", "3", "--concurrency", "2", "--max-new-tokens", "8", "--memory-budget", "200KiB"]
+    argv += ["--compile-cache", ""]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # auto's step costs, measured once
+        assert eval_serving.main([*argv, "--out", str(out)]) == 0
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [(r["method"], r["slots"]) for r in rows] == [("plain", 2), ("random:hspec", 2)]
+    methods = ["plain", "random:hspec k=auto", "random:hspec k=7"]
+    assert [(r["method"], r["slots"]) for r in rows] == [(m, 2) for m in methods]
     for r in rows:
         assert r["answered"] == 3 and 3 <= r["tokens"] <= 24 and r["throughput"] > 0
         assert 0 < r["target_occupancy_peak"] <= 1 and r["drafter_occupancy_peak"] == 0  # neither keeps drafter KV
         assert r["ttft_p50"] > 0 and r["itl_p50"] > 0
-    assert rows[0]["tau"] is None and 1 <= rows[1]["tau"] <= 8
+    assert rows[0]["tau"] is None and all(1 <= r["tau"] <= 8 for r in rows[1:])
     text = (out / "report.md").read_text()
-    assert "| random:hspec | 2 |" in text and "Under a KV memory budget of 204800 bytes" in text
+    assert "| random:hspec k=auto | 2 |" in text and "Under a KV memory budget of 204800 bytes" in text
     assert all((out / name).stat().st_size > 0 for name in eval_serving.PLOTS)
 
 

@@ -11,28 +11,46 @@ Per step, for every sequence of the batch (all on device, in one `lax.while_loop
    SSM from the hidden states at the last committed position; DFlash/DSpark first inject the k+1 rows just
    verified into their own cache (only the committed ones are ever read).
 
+With an `AdaptivePolicy` (`policy.py`) the number of drafts verified changes per step, among a few compiled
+widths, each run only when chosen (k = 0 is a plain step: one position verified, and the drafter not called for
+the step after, unless its policy decides to draft: step 4 is then skipped, except that DFlash/DSpark still
+inject the new rows into their cache). Without one, every step verifies the drafter's k.
+
 Sequences stop at EOS, `max_new_tokens`, or when the cache has no room for another block of k+1 rows.
 `spec_decode` runs the loop to the end; `spec_decode_chunk` runs a few steps of it, for streaming.
-Statistics come back with the tokens: steps, accepted drafts, and per draft index how often it was reached
-(all earlier drafts accepted) and accepted, so tau and conditional acceptance rates can be reported.
+Statistics come back with the tokens: steps, accepted drafts, per draft index how often it was reached
+(all earlier drafts accepted), accepted and predicted to be accepted (the drafter's confidence), and how often
+each draft length was chosen, so tau, conditional acceptance rates and calibration can be reported.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hspec_jax import parallel
+from hspec_jax.decoding import costs as cost_model
 from hspec_jax.decoding.acceptance import greedy_accept, speculative_accept
 from hspec_jax.decoding.autoregressive import is_eos
 from hspec_jax.decoding.batching import bucketed_shapes, pad_to_width
+from hspec_jax.decoding.policy import (
+    AdaptivePolicy,
+    PolicyState,
+    init_policy,
+    observe,
+    pinned_costs,
+    step_choice,
+    wants_draft,
+)
 from hspec_jax.decoding.sampling import SamplingConfig, probabilities, sample
 from hspec_jax.drafters.api import draft_block
 from hspec_jax.drafters.config import DrafterConfig, check_target
-from hspec_jax.drafters.dflash import drafter_context
+from hspec_jax.drafters.dflash import drafter_context, inject_context
 from hspec_jax.drafters.heads import propose
 from hspec_jax.drafters.vocab import DraftVocab
 from hspec_jax.models.config import TargetConfig
@@ -42,13 +60,15 @@ from hspec_jax.models.layers import for_backend
 
 
 class SpecStats(NamedTuple):
-    steps: jax.Array  # [B] draft-and-verify steps while the sequence was active
+    steps: jax.Array  # [B] target verification steps while the sequence was active (plain steps included)
     accepted: jax.Array  # [B] drafted tokens accepted in total
     reached_at: jax.Array  # [B, k] steps in which draft i was verified with all earlier drafts accepted
     accepted_at: jax.Array  # [B, k] steps in which draft i was accepted
+    predicted_at: jax.Array  # [B, k] fp32 sum of the drafter's predicted acceptance of draft i when reached
+    chosen: jax.Array  # [B, C] steps that verified each draft length (the policy's choices; fixed k: [k])
 
     def tau(self) -> float:
-        """Mean accepted length per step, counting the bonus/correction token (1 <= tau <= k + 1)."""
+        """Mean tokens per step, counting the bonus/correction token (1 <= tau <= k + 1)."""
         steps = float(jnp.sum(self.steps))
         return (float(jnp.sum(self.accepted)) + steps) / max(steps, 1.0)
 
@@ -68,8 +88,11 @@ class SpecState(NamedTuple):
     anchor: jax.Array  # [B] last emitted token, slot 0 of the drafted block; not in the target cache yet
     draft: jax.Array  # [B, k] drafted target ids
     draft_probs: jax.Array  # [B, k, Vd] their distributions (sampling) or [B, k, 1] (greedy)
+    confidence: jax.Array  # [B, k] the drafter's predicted acceptance of each draft
+    choice: jax.Array  # scalar: index of the next step's draft length in the choices (0 without a policy)
     seed: jax.Array  # [B, F*D] H-Spec: fused taps at the last committed position
     stats: SpecStats
+    policy: PolicyState | None  # the adaptive policy's estimates and cost table (None: fixed k)
     rng: jax.Array
 
 
@@ -94,7 +117,7 @@ def _draft_next(
     new_context,
     rng,
 ):
-    """Draft k tokens after `anchor` (at position cache.lengths) -> (tokens, probs, context)."""
+    """Draft k tokens after `anchor` (at position cache.lengths) -> (tokens, probs, confidence, context)."""
     k = drafter.num_drafts
     masks = jnp.full((anchor.shape[0], drafter.block_size - 1), drafter.mask_token_id, jnp.int32)
     block = jnp.concatenate([anchor[:, None], masks], 1)
@@ -109,19 +132,73 @@ def _draft_next(
         context_kv=context,
         new_context=new_context,
     )
+    slots = slice(drafter.first_draft_slot, None)
     proposal = propose(
-        out.logits[:, drafter.first_draft_slot :], anchor, vocab, sampling, rng, drafter_params.get("markov_head")
+        out.logits[:, slots],
+        anchor,
+        vocab,
+        sampling,
+        rng,
+        drafter_params.get("markov_head"),
+        out.hidden[:, slots],
+        drafter_params.get("confidence_head"),
     )
     probs = proposal.probs if not sampling.greedy else jnp.zeros((anchor.shape[0], k, 1), jnp.float32)
-    return proposal.tokens, probs, (out.context_kv if out.context_kv is not None else context)
+    return proposal.tokens, probs, proposal.confidence, (out.context_kv if out.context_kv is not None else context)
 
 
 def _fused(hidden: tuple[jax.Array, ...]) -> jax.Array:
     return jnp.concatenate(hidden, axis=-1)
 
 
+def choices_of(drafter: DrafterConfig, policy: AdaptivePolicy | None) -> tuple[int, ...]:
+    """The draft lengths a step may verify: the policy's, or the drafter's k alone."""
+    if policy is None:
+        return (drafter.num_drafts,)
+    if policy.max_drafts != drafter.num_drafts:
+        raise ValueError(f"the policy drafts up to {policy.max_drafts} tokens, the drafter {drafter.num_drafts}")
+    return policy.choices
+
+
+def _verify(target_params, target, drafter, vocab, sampling, state, cache, rng, drafts):
+    """Verify [anchor, d_1 .. d_drafts] (drafts static) in one target forward ->
+    (n `[B]` drafts accepted, next token `[B]`, cache with the rows written, taps `[B, k+1, F*D]`, rows past
+    drafts + 1 zero)."""
+    batch, k = state.draft.shape
+    draft = state.draft[:, :drafts]
+    out = forward(
+        target_params, target, jnp.concatenate([state.anchor[:, None], draft], 1), cache, drafter.fusion_layer_ids
+    )
+    if sampling.greedy:
+        n, nxt = greedy_accept(draft, out.logits)
+    else:
+        q = (
+            jnp.zeros((batch, drafts, target.vocab_size), jnp.float32)
+            .at[:, :, vocab.d2t]
+            .set(state.draft_probs[:, :drafts])
+        )
+        n, nxt = speculative_accept(rng, draft, q, probabilities(out.logits, sampling))
+    taps = jnp.pad(_fused(out.hidden), ((0, 0), (0, k - drafts), (0, 0)))
+    return n, nxt, out.cache, taps
+
+
+def _when(pred: jax.Array, fn: Callable, operand):
+    """`fn(operand)` if the scalar `pred`, else `operand`: a while loop of at most one iteration. Unlike `lax.cond`
+    / `lax.switch`, whose outputs XLA copies, a loop carry is updated in place: a step that writes the KV caches
+    under a data-dependent choice must not copy them (a plain step would cost a cache copy more than plain
+    decoding)."""
+
+    def once(carry):
+        # Through a barrier with the loop's flag: XLA then cannot hoist fn's work out of the loop as invariant
+        # (it would run on every call, pred or not).
+        _, x = jax.lax.optimization_barrier(carry)
+        return jnp.bool_(True), fn(x)
+
+    return jax.lax.while_loop(lambda carry: pred & ~carry[0], once, (jnp.bool_(False), operand))[1]
+
+
 # Both halves of the engine: configs and loop settings are static, the two caches are donated (updated in place).
-_ENGINE_STATIC = ("target", "drafter", "sampling", "max_new_tokens", "eos_ids", "pad_id")
+_ENGINE_STATIC = ("target", "drafter", "sampling", "max_new_tokens", "eos_ids", "pad_id", "policy")
 _engine_jit = functools.partial(jax.jit, static_argnames=_ENGINE_STATIC, donate_argnames=("cache", "context"))
 
 
@@ -142,16 +219,19 @@ def spec_prefill(
     cache: KVCache,
     context: tuple,
     rng: jax.Array,
+    costs: jax.Array | None = None,
     *,
     max_new_tokens: int,
     sampling: SamplingConfig = SamplingConfig(),
     eos_ids: tuple[int, ...] = (),
     pad_id: int = 0,
+    policy: AdaptivePolicy | None = None,
 ) -> tuple[SpecState, KVCache, tuple]:
     """Prefill the target on right-padded `prompts [B, T]`, sample the first token, draft the first block.
     Returns the loop state, the target cache and the drafter-side cache (empty unless DFlash/DSpark). The prompts
     go at each sequence's committed length, so a long prompt can be fed in pieces (earlier pieces committed by
-    earlier calls, whose states are discarded)."""
+    earlier calls, whose states are discarded). With a `policy`, `costs [C]` is its cost table (`costs.py`)
+    and the first step's draft length is chosen from the first block's confidence and the policy's prior."""
     k = drafter.num_drafts
     batch, width = prompts.shape
     start = cache.lengths
@@ -165,15 +245,27 @@ def spec_prefill(
     new_context = None
     if drafter.owns_kv_cache:
         new_context = (taps, start[:, None] + jnp.arange(width, dtype=jnp.int32), start)
-    draft, probs, context = _draft_next(
+    draft, probs, confidence, context = _draft_next(
         target_params, drafter_params, drafter, vocab, sampling, cache, token, seed, context, new_context, draft_rng
     )
     tokens = jnp.full((batch, max_new_tokens + k + 1), pad_id, jnp.int32).at[:, 0].set(token)
     num = jnp.ones((batch,), jnp.int32)
     done = is_eos(token, eos_ids) | (num >= max_new_tokens) | ~_room(cache, k)
     zeros = jnp.zeros((batch,), jnp.int32)
-    stats = SpecStats(zeros, zeros, jnp.zeros((batch, k), jnp.int32), jnp.zeros((batch, k), jnp.int32))
-    state = SpecState(jnp.int32(0), tokens, num, done, token, draft, probs, seed, stats, loop_rng)
+    per_slot = jnp.zeros((batch, k), jnp.int32)
+    choices = choices_of(drafter, policy)
+    stats = SpecStats(
+        zeros, zeros, per_slot, per_slot, per_slot.astype(jnp.float32), jnp.zeros((batch, len(choices)), jnp.int32)
+    )
+    estimates, choice = None, jnp.int32(0)
+    if policy is not None:
+        if costs is None:
+            raise ValueError("an adaptive policy needs its cost table (costs.py: step_costs)")
+        estimates = init_policy(policy, batch, costs)
+        choice = step_choice(estimates, policy, confidence, ~done)
+    state = SpecState(
+        jnp.int32(0), tokens, num, done, token, draft, probs, confidence, choice, seed, stats, estimates, loop_rng
+    )
     return state, cache, context
 
 
@@ -191,32 +283,47 @@ def _spec_steps(
     sampling,
     eos_ids,
     pad_id,
+    policy,
 ):
     """Up to `steps` draft-and-verify steps (fewer once every sequence is done) -> (state, cache, context)."""
     k = drafter.num_drafts
     batch = state.anchor.shape[0]
     slots = jnp.arange(k + 1)
+    choices = choices_of(drafter, policy)
     limit = jnp.minimum(state.step + steps, max_new_tokens)
+    verifiers = [functools.partial(_verify, target_params, target, drafter, vocab, sampling, drafts=c) for c in choices]
 
     def cond(carry):
         s = carry[0]
         return (s.step < limit) & ~jnp.all(s.done)
+
+    def draft(cache, nxt, seed, new_context, rng, context):
+        return _draft_next(
+            target_params, drafter_params, drafter, vocab, sampling, cache, nxt, seed, context, new_context, rng
+        )
+
+    def draft_carried(carry):
+        """`draft` on inputs carried by `_when`'s loop (through its barrier): were they loop invariants, XLA would
+        hoist the whole drafter out of the loop and run it on every step, drafting or not."""
+        operands, context = carry[4], carry[3]
+        return (*draft(*operands, context), operands)
 
     def body(carry):
         s, cache, context = carry
         accept_rng, draft_rng, rng = jax.random.split(s.rng, 3)
         active = ~s.done
         start = cache.lengths
-        out = forward(
-            target_params, target, jnp.concatenate([s.anchor[:, None], s.draft], 1), cache, drafter.fusion_layer_ids
-        )
-        if sampling.greedy:
-            n, nxt = greedy_accept(s.draft, out.logits)
-        else:
-            q = jnp.zeros((batch, k, target.vocab_size), jnp.float32).at[:, :, vocab.d2t].set(s.draft_probs)
-            n, nxt = speculative_accept(accept_rng, s.draft, q, probabilities(out.logits, sampling))
+        if policy is None:
+            n, nxt, cache, taps = verifiers[0](s, cache, accept_rng)
+        else:  # one verification runs: the chosen width's
+            taps = jax.eval_shape(verifiers[0], s, cache, accept_rng)[3]
+            out = (jnp.zeros((batch,), jnp.int32), s.anchor, cache, jnp.zeros(taps.shape, taps.dtype))
+            for i, verify in enumerate(verifiers):
+                out = _when(s.choice == i, lambda o, verify=verify: verify(s, o[2], accept_rng), out)
+            n, nxt, cache, taps = out
+        drafts = jnp.asarray(choices, jnp.int32)[s.choice]
         n = jnp.where(active, n, 0)
-        cache = commit(out.cache, jnp.where(active, n + 1, 0))
+        cache = commit(cache, jnp.where(active, n + 1, 0))
         # Emit d_1..d_n then the target's token; cut after the first EOS and at max_new_tokens.
         emitted = jnp.where(slots < n[:, None], jnp.pad(s.draft, ((0, 0), (0, 1))), nxt[:, None])
         keep = slots <= n[:, None]
@@ -229,19 +336,34 @@ def _spec_steps(
         num = s.num + count
         done = s.done | (eos_hits & (slots < count[:, None])).any(-1) | (num >= max_new_tokens) | ~_room(cache, k)
         on = active[:, None].astype(jnp.int32)
+        reached = on * (slots[:k] < drafts) * (slots[:k] <= n[:, None])
         stats = SpecStats(
             s.stats.steps + active,
             s.stats.accepted + n,
-            s.stats.reached_at + on * (slots[:k] <= n[:, None]),
+            s.stats.reached_at + reached,
             s.stats.accepted_at + on * (slots[:k] < n[:, None]),
+            s.stats.predicted_at + reached * s.confidence,
+            s.stats.chosen + on * (jnp.arange(len(choices)) == s.choice),
         )
-        taps = _fused(out.hidden)  # [B, k+1, F*D] at positions start .. start+k
         seed = jnp.take_along_axis(taps, n[:, None, None], axis=1)[:, 0]  # the last committed row
         new_context = (taps, start[:, None] + slots, start) if drafter.owns_kv_cache else None
-        draft, probs, context = _draft_next(
-            target_params, drafter_params, drafter, vocab, sampling, cache, nxt, seed, context, new_context, draft_rng
+        operands = (cache, nxt, seed, new_context, draft_rng)
+        if policy is None:
+            draft_tokens, probs, confidence, context = draft(*operands, context)
+            estimates, choice = None, s.choice
+        else:
+            estimates = observe(s.policy, policy, s.confidence, drafts, n, active)
+            drafting = wants_draft(estimates, policy, ~done)
+            kept = (s.draft, s.draft_probs, jnp.zeros_like(s.confidence), context, operands)
+            draft_tokens, probs, confidence, context, (cache, *_) = _when(drafting, draft_carried, kept)
+            if drafter.owns_kv_cache:  # a plain step's row still goes into DFlash's own cache
+                context = _when(~drafting, lambda c: inject_context(drafter_params, drafter, c, new_context), context)
+            choice = jnp.where(drafting, step_choice(estimates, policy, confidence, ~done), 0)
+            estimates = estimates._replace(drafted=jnp.broadcast_to(drafting, (batch,)))
+        state = SpecState(
+            s.step + 1, tokens, num, done, nxt, draft_tokens, probs, confidence, choice, seed, stats, estimates, rng
         )
-        return SpecState(s.step + 1, tokens, num, done, nxt, draft, probs, seed, stats, rng), cache, context
+        return state, cache, context
 
     return jax.lax.while_loop(cond, body, (state, cache, context))
 
@@ -261,10 +383,11 @@ def spec_decode(
     sampling: SamplingConfig = SamplingConfig(),
     eos_ids: tuple[int, ...] = (),
     pad_id: int = 0,
+    policy: AdaptivePolicy | None = None,
 ) -> SpecGeneration:
     """Run draft-and-verify steps on device until every sequence is done (see the module docstring)."""
     args = (target_params, target, drafter_params, drafter, vocab, state, cache, context, max_new_tokens)
-    final, cache, context = _spec_steps(*args, max_new_tokens, sampling, eos_ids, pad_id)
+    final, cache, context = _spec_steps(*args, max_new_tokens, sampling, eos_ids, pad_id, policy)
     return SpecGeneration(final.tokens[:, :max_new_tokens], final.num, final.stats, cache, context)
 
 
@@ -284,12 +407,59 @@ def spec_decode_chunk(
     sampling: SamplingConfig = SamplingConfig(),
     eos_ids: tuple[int, ...] = (),
     pad_id: int = 0,
+    policy: AdaptivePolicy | None = None,
 ) -> tuple[SpecState, KVCache, tuple]:
     """At most `steps` more draft-and-verify steps (traced: one compilation serves every chunk size), for callers
     that stream or stop between chunks. Chained from `spec_prefill` until every sequence is done, it gives exactly
     `spec_decode`'s tokens and statistics; `state.tokens[:, :max_new_tokens]` and `state.num` are the output so far."""
     args = (target_params, target, drafter_params, drafter, vocab, state, cache, context, steps)
-    return _spec_steps(*args, max_new_tokens, sampling, eos_ids, pad_id)
+    return _spec_steps(*args, max_new_tokens, sampling, eos_ids, pad_id, policy)
+
+
+def measure_costs(
+    prefill: Callable[[jax.Array], tuple],
+    chunk: Callable[[tuple, int], tuple],
+    policy: AdaptivePolicy,
+    shape: dict,
+) -> np.ndarray:
+    """The policy's cost table `[C]` for this machine and `shape` (`costs.engine_shape`), cached or measured:
+    `prefill(costs)` starts a fresh loop (new caches) with a cost table, `chunk(carry, steps)` runs it on."""
+    steps = min(cost_model.MEASURED_STEPS, policy.probe_every - 1) or 1
+
+    def measure(index: int) -> float:
+        return cost_model.time_steps(lambda: prefill(pinned_costs(policy, index)), lambda carry: chunk(carry, steps))
+
+    return cost_model.step_costs(shape, policy.choices, measure)
+
+
+def adaptive_costs(
+    models: tuple,
+    prompts: jax.Array,
+    lengths: jax.Array,
+    fresh_caches: Callable[[], tuple],
+    capacity: int,
+    rng: jax.Array,
+    *,
+    policy: AdaptivePolicy,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    eos_ids: tuple[int, ...] = (),
+    pad_id: int = 0,
+) -> np.ndarray:
+    """The cost table `[C]` of `policy` for `models` = (target_params, target, drafter_params, drafter, vocab) on
+    `prompts [B, T]` with caches of `capacity` rows (`fresh_caches()` -> new target and drafter caches), cached per
+    machine and shape or measured on this loop (`measure_costs`)."""
+    kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
+    _, target, _, drafter, _ = models
+
+    def prefill(step_costs):
+        return spec_prefill(*models, prompts, lengths, *fresh_caches(), rng, step_costs, **kw)
+
+    def chunk(carry, steps):
+        return spec_decode_chunk(*models, *carry, steps, **kw)
+
+    shape = cost_model.engine_shape(target, drafter, sampling, prompts.shape[0], capacity)
+    return measure_costs(prefill, chunk, policy, shape)
 
 
 def speculative_generate(
@@ -308,11 +478,14 @@ def speculative_generate(
     pad_id: int = 0,
     cache_capacity: int | None = None,
     mesh=None,
+    policy: AdaptivePolicy | None = None,
+    costs: jax.Array | None = None,
 ) -> SpecGeneration:
     """Prefill, then draft-and-verify until done. `cache_capacity` defaults to the longest prompt plus
     `max_new_tokens` plus one block, so the cache never stops a sequence before `max_new_tokens`; it and the prompt
     width are rounded up to a bucket (`batching.bucketed_shapes`). With a `mesh`, both models' params, the batch
-    and the caches are sharded and the whole loop runs SPMD."""
+    and the caches are sharded and the whole loop runs SPMD. With an adaptive `policy` the draft length changes per
+    step; its cost table `costs [C]` is measured on this machine for this shape when not given (and cached)."""
     k = drafter.num_drafts
     check_target(drafter, target)
     longest = int(jnp.max(lengths))
@@ -320,17 +493,22 @@ def speculative_generate(
     check_capacity(jax.device_get(lengths), k + 1, capacity)
     prompts = pad_to_width(jnp.asarray(prompts), width, pad_id)
     rng = jax.random.key(0) if rng is None else rng
-    cache = init_cache(target, prompts.shape[0], capacity)
-    context = drafter_context(drafter, prompts.shape[0], capacity)
+    choices_of(drafter, policy)
+
+    def fresh_caches():
+        caches = (init_cache(target, prompts.shape[0], capacity), drafter_context(drafter, prompts.shape[0], capacity))
+        return caches if mesh is None else parallel.shard_kv(mesh, caches)
+
     if mesh is not None:
         target_params = parallel.shard_params(target_params, mesh, target.head_dim)
         drafter_params = parallel.shard_params(drafter_params, mesh, target.head_dim)
         prompts, lengths = parallel.shard_batch(mesh, prompts, lengths)
-        cache, context = parallel.shard_kv(mesh, (cache, context))
     else:
         target_params, drafter_params = for_backend(target_params), for_backend(drafter_params)
-    kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
-    state, cache, context = spec_prefill(
-        target_params, target, drafter_params, drafter, vocab, prompts, lengths, cache, context, rng, **kw
-    )
-    return spec_decode(target_params, target, drafter_params, drafter, vocab, state, cache, context, **kw)
+    kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
+    models = (target_params, target, drafter_params, drafter, vocab)
+
+    if policy is not None and costs is None:
+        costs = adaptive_costs(models, prompts, lengths, fresh_caches, capacity, rng, **kw)
+    state, cache, context = spec_prefill(*models, prompts, lengths, *fresh_caches(), rng, costs, **kw)
+    return spec_decode(*models, state, cache, context, **kw)

@@ -32,6 +32,7 @@ class DFlashLayer(nn.Module):
 
     config: DFlashConfig
     layer_index: int = 0  # which drafter layer (its attention layout)
+    inject_only: bool = False  # write new_rows into the context cache and return, h untouched
 
     @nn.compact
     def __call__(self, h, anchors, doc_starts, context, index, new_rows=None):
@@ -48,6 +49,8 @@ class DFlashLayer(nn.Module):
         if new_rows is not None:
             latent, positions, starts = new_rows
             context = context.write(index, *attn.key_value(latent, positions), starts)
+        if self.inject_only:
+            return h, context
         h = h + attn(RMSNorm(eps, pdtype, name="input_layernorm")(h), anchors, doc_starts, context.layer(index))
         mlp = MLP(target.hidden_size, cfg.mlp_size, False, dtype, pdtype, name="mlp")
         return h + mlp(RMSNorm(eps, pdtype, name="post_attention_layernorm")(h)), context
@@ -55,13 +58,15 @@ class DFlashLayer(nn.Module):
 
 class DFlash(nn.Module):
     config: DFlashConfig
+    inject_only: bool = False  # only write inputs.new_context into the drafter cache (a step that drafts nothing)
 
     @nn.compact
     def __call__(self, embeds, inputs: DraftInputs) -> DraftOutput:
         """embeds `[B, A, T, D]`; `inputs` (see `DraftInputs`): anchors, doc_starts, prev_tokens, context_kv (the
         drafter cache, `KVBuffers` or a paged equivalent: layer i read and written through its accessors) and
         new_context (taps `[B, C, F*D]`, positions `[B, C]`, first row `[B]`: context rows to inject first); with
-        kv_source="target", layer i reads the target cache's layer `target_kv_layer_ids[i]` in place instead."""
+        kv_source="target", layer i reads the target cache's layer `target_kv_layer_ids[i]` in place instead.
+        With `inject_only`, embeds may be None: the call only injects new_context and returns the cache."""
         cfg = self.config
         target = cfg.target
         dtype, pdtype = cfg.compute_dtype, cfg.storage_dtype
@@ -75,15 +80,32 @@ class DFlash(nn.Module):
             fc = dense(target.hidden_size, "fc", dtype=dtype, param_dtype=pdtype)
             latent = RMSNorm(target.rms_norm_eps, pdtype, name="hidden_norm")(fc(taps.astype(dtype)))
             new_rows = (latent, positions, first_row)
-        h = embeds.astype(dtype)
+        h = None if self.inject_only else embeds.astype(dtype)
         for i, index in enumerate(layer_ids):
-            layer = DFlashLayer(cfg, i, name=f"layers_{i}")
+            layer = DFlashLayer(cfg, i, self.inject_only, name=f"layers_{i}")
             h, context = layer(h, inputs.anchors, inputs.doc_starts, context, index, new_rows)
+        if self.inject_only:
+            return DraftOutput(None, None, None, context)
         hidden, logits = draft_logits(self, cfg, h)
         markov = MarkovHead(target.vocab_size, cfg.vocab_size, cfg.markov_rank, pdtype, name="markov_head")
         confidence = ConfidenceHead(pdtype, name="confidence_head")
         out = apply_heads(cfg, markov, confidence, hidden, logits, inputs.prev_tokens)
         return out._replace(context_kv=context if new_context is not None else None)
+
+
+def inject_context(params: dict, config: DFlashConfig, context_kv, new_context: tuple):
+    """Write the K/V rows of `new_context` (taps `[B, C, F*D]`, positions `[B, C]`, first row `[B]`) into the
+    drafter cache without drafting (what `draft_block` injects first) -> the cache."""
+    inputs = DraftInputs(
+        embedding=None,
+        block_tokens=None,
+        anchors=None,
+        seed_hidden=None,
+        target_cache=None,
+        context_kv=context_kv,
+        new_context=new_context,
+    )
+    return DFlash(config, inject_only=True).apply({"params": params}, None, inputs).context_kv
 
 
 def empty_context(config: DFlashConfig, batch: int, capacity: int, dtype=None) -> KVBuffers:

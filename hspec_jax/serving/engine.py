@@ -17,7 +17,9 @@ One `step` is one scheduling iteration:
    queue, to restart from its prompt later (recompute);
 4. run `steps_per_iteration` decoding steps for all slots at once: plain decoding or draft-and-verify with any
    drafter, the very loops of `hspec_jax.decoding` on the paged cache, jitted with static shapes `[slots, ...]`
-   (idle slots ride along as finished sequences);
+   (idle slots ride along as finished sequences); with `ServingConfig.policy` the draft length is chosen per step
+   (`hspec_jax/decoding/policy.py`: the batch verifies the largest k any running request chose, k = 0 a plain
+   step), from the cost table given to the engine;
 5. hand back the finished requests and free their slots and pages at once.
 
 A request that can never be served (an empty prompt, a prompt over `max_prompt_tokens`, more pages than the whole
@@ -39,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hspec_jax.decoding.autoregressive import decode_chunk, prefill, start_decode
+from hspec_jax.decoding.policy import AdaptivePolicy
 from hspec_jax.decoding.sampling import SamplingConfig
 from hspec_jax.decoding.speculative import spec_decode_chunk, spec_prefill
 from hspec_jax.drafters.config import DrafterConfig, check_target
@@ -68,6 +71,7 @@ class ServingConfig:
     pad_id: int = 0
     seed: int = 0
     layout: str = "paged"  # "paged": the shared pool; "dense": one contiguous cache row per slot (no gather)
+    policy: AdaptivePolicy | None = None  # adaptive draft length (with a drafter); None: the drafter's k every step
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -137,9 +141,28 @@ class _Slot:
         return self.emitted > 0
 
 
-_STATIC = ("target", "drafter", "sampling", "max_new_tokens", "eos_ids", "pad_id")
+_STATIC = ("target", "drafter", "sampling", "max_new_tokens", "eos_ids", "pad_id", "policy")
 _serve_jit = functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state", "cache", "context"))
-_SHARED_FIELDS = ("step", "rng")  # loop-state fields of the whole batch; every other field has one row per slot
+# Loop-state fields of the whole batch (the policy's cost table too); every other field has one row per slot.
+_SHARED_FIELDS = ("step", "rng", "choice")
+_SHARED_POLICY_FIELDS = ("costs",)
+
+
+def _per_slot(state) -> dict:
+    """The loop state's per-slot leaves by field (the adaptive policy's estimates without its cost table)."""
+    rows = {f: getattr(state, f) for f in state._fields if f not in _SHARED_FIELDS and f != "policy"}
+    policy = getattr(state, "policy", None)
+    if policy is not None:
+        rows["policy"] = {f: getattr(policy, f) for f in policy._fields if f not in _SHARED_POLICY_FIELDS}
+    return rows
+
+
+def _with_per_slot(state, rows: dict):
+    """`state` with its per-slot leaves replaced by `rows` (as `_per_slot` gives them)."""
+    rows = dict(rows)
+    if "policy" in rows:
+        rows["policy"] = state.policy._replace(**rows["policy"])
+    return state._replace(**rows)
 
 
 def _slot_of(context, slot):
@@ -151,17 +174,17 @@ def _has_rows(context) -> bool:
     return isinstance(context, PagedBuffers | KVBuffers)
 
 
-def _start_one(target_params, target, drafter_params, drafter, vocab, cache, context, tokens, length, rng, **kw):
+def _start_one(target_params, target, drafter_params, drafter, vocab, cache, context, tokens, length, rng, costs, **kw):
     """Prefill `tokens [1, C]` (the first `length [1]` real) into a one-sequence cache at its committed length ->
     (that sequence's decoding state as if it started now, cache, context): `prefill` + `start_decode`, or
-    `spec_prefill`."""
+    `spec_prefill` (`costs`: the adaptive policy's cost table, None without one)."""
     if drafter is None:
         first_rng, loop_rng = jax.random.split(rng)
         pre = prefill(target_params, target, tokens, length, cache, first_rng, kw["sampling"])
         loop = {name: kw[name] for name in ("max_new_tokens", "eos_ids", "pad_id")}
         return start_decode(pre.cache, pre.token, loop_rng, **loop), pre.cache, context
     models = (target_params, target, drafter_params, drafter, vocab)
-    return spec_prefill(*models, tokens, length, cache, context, rng, **kw)
+    return spec_prefill(*models, tokens, length, cache, context, rng, costs, **kw)
 
 
 @_serve_jit
@@ -184,13 +207,16 @@ def prefill_slot(
     sampling,
     eos_ids,
     pad_id,
+    policy,
 ):
     """One chunk `tokens [1, C]` (the first `length [1]` real) of slot `slot`'s prompt, written at its committed
     length and committed. On the `final` chunk the slot's row of the loop state becomes that of a sequence that
     just started (first token sampled, first block drafted); before it, the row is left as it is (finished)."""
     models = (target_params, target, drafter_params, drafter, vocab)
-    kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
-    one, view, view_context = _start_one(*models, cache.slot(slot), _slot_of(context, slot), tokens, length, rng, **kw)
+    kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
+    costs = None if policy is None else state.policy.costs
+    view_cache, view_context = cache.slot(slot), _slot_of(context, slot)
+    one, view, view_context = _start_one(*models, view_cache, view_context, tokens, length, rng, costs, **kw)
     cache = cache.with_slot(slot, view)
     if _has_rows(context):
         context = context.with_slot(slot, view_context)
@@ -198,8 +224,7 @@ def prefill_slot(
     def put(rows, row):
         return rows.at[slot].set(jnp.where(final, row[0], rows[slot]))
 
-    rows = {f: jax.tree.map(put, getattr(state, f), getattr(one, f)) for f in state._fields if f not in _SHARED_FIELDS}
-    return state._replace(**rows), cache, context
+    return _with_per_slot(state, jax.tree.map(put, _per_slot(state), _per_slot(one))), cache, context
 
 
 @_serve_jit
@@ -219,6 +244,7 @@ def decode_slots(
     sampling,
     eos_ids,
     pad_id,
+    policy,
 ):
     """Up to `steps` decoding steps of every slot (`decode_chunk` or `spec_decode_chunk`, counted from 0)."""
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
@@ -227,16 +253,21 @@ def decode_slots(
         state, cache = decode_chunk(target_params, target, state, cache, steps, **kw)
         return state, cache, context
     state = state._replace(step=jnp.int32(0))
-    return spec_decode_chunk(target_params, target, drafter_params, drafter, vocab, state, cache, context, steps, **kw)
+    models = (target_params, target, drafter_params, drafter, vocab)
+    return spec_decode_chunk(*models, state, cache, context, steps, **kw, policy=policy)
 
 
 class ServingEngine:
-    """See the module docstring. `clock` gives the times in `Completion`s (seconds)."""
+    """See the module docstring. `clock` gives the times in `Completion`s (seconds). With `config.policy`, `costs`
+    is its cost table T(k) / T(0) per choice (`hspec_jax/decoding/costs.py`)."""
 
-    def __init__(self, model: Model, config: ServingConfig, clock=time.perf_counter):
+    def __init__(self, model: Model, config: ServingConfig, clock=time.perf_counter, costs=None):
         if model.drafter is not None:
             check_target(model.drafter, model.target)
+        if config.policy is not None and (model.drafter is None or costs is None):
+            raise ValueError("an adaptive draft length needs a drafter and a cost table (costs)")
         self.model, self.config, self.clock = model, config, clock
+        self.costs = costs
         c = config
         self.max_pages = pages_for(c.max_prompt_tokens + c.max_new_tokens + model.lookahead, c.page_size)
         num_pages = c.num_pages or c.slots * self.max_pages + 1
@@ -253,7 +284,9 @@ class ServingEngine:
         else:
             self.cache = paged_cache(model.target, c.slots, num_pages, c.page_size, self.max_pages)
             self.context = paged_context(model.drafter, self.cache)
-        self._kw = dict(max_new_tokens=c.max_new_tokens, sampling=c.sampling, eos_ids=c.eos_ids, pad_id=c.pad_id)
+        self._kw = dict(
+            max_new_tokens=c.max_new_tokens, sampling=c.sampling, eos_ids=c.eos_ids, pad_id=c.pad_id, policy=c.policy
+        )
         self.state = self._empty_state()
         self.queue: collections.deque[tuple[Request, float, int]] = collections.deque()
         self.slots: list[_Slot | None] = [None] * c.slots
@@ -333,17 +366,20 @@ class ServingEngine:
         c = self.config
         tokens, length = jnp.zeros((1, c.prefill_chunk), jnp.int32), jnp.ones((1,), jnp.int32)
         view, view_context = self.cache.slot(jnp.int32(0)), _slot_of(self.context, jnp.int32(0))
+        costs = None if self.costs is None else jnp.asarray(self.costs, jnp.float32)
+        key = jax.random.key(0)
         one = jax.eval_shape(
-            lambda: _start_one(*self.model, view, view_context, tokens, length, jax.random.key(0), **self._kw)[0]
+            lambda: _start_one(*self.model, view, view_context, tokens, length, key, costs, **self._kw)[0]
         )
-        rows = {
-            f: jax.tree.map(lambda x: jnp.zeros((c.slots, *x.shape[1:]), x.dtype), getattr(one, f))
-            for f in one._fields
-            if f not in _SHARED_FIELDS
-        }
+        rows = jax.tree.map(lambda x: jnp.zeros((c.slots, *x.shape[1:]), x.dtype), _per_slot(one))
         rows["done"] = jnp.ones((c.slots,), bool)
         rows["tokens"] = jnp.full(rows["tokens"].shape, c.pad_id, jnp.int32)
-        return one._replace(step=jnp.int32(0), rng=jax.random.key(c.seed), **rows)
+        shared = {"step": jnp.int32(0), "rng": jax.random.key(c.seed)}
+        if "choice" in one._fields:  # draft-and-verify: a fixed k's only choice, or the policy's plain step
+            shared["choice"] = jnp.int32(0)
+        if self.config.policy is not None:
+            shared["policy"] = one.policy._replace(costs=costs)
+        return _with_per_slot(one._replace(**shared), rows)
 
     def _admit(self) -> None:
         """Queued requests into free slots, in order, while the pool has pages for their prompts."""

@@ -1,0 +1,100 @@
+"""The adaptive policy's cost model: T(k) / T(0) per draft-length choice, measured on this device.
+
+A step's cost depends on the machine (CPU model or accelerator kind), the target, the drafter and its k, the
+batch and the cache size. `step_costs` measures it the first time that shape runs (timing a few steps of the
+compiled loop pinned to each choice, `policy.pinned_costs`) and caches the table as JSON under
+`$XDG_CACHE_HOME/hspec_jax/costs/` (default `~/.cache/...`), one file per machine and shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+
+
+def machine() -> str:
+    """The device the costs hold for: the accelerator kind, or the CPU model on CPU."""
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        return f"{device.platform}:{device.device_kind}:{jax.device_count()}"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor() or platform.machine()
+    return f"cpu:{model}:{os.cpu_count()}"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "hspec_jax" / "costs"
+
+
+def cache_path(shape: dict) -> Path:
+    """The JSON file for this machine and `shape` (plain JSON-able values naming target, drafter, batch, ...)."""
+    key = json.dumps({"machine": machine(), **shape}, sort_keys=True)
+    return cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+
+def engine_shape(target, drafter, sampling, batch: int, capacity: int) -> dict:
+    """What a step's cost depends on besides the machine: the configs (by digest), batch and cache rows."""
+    digest = lambda config: hashlib.sha256(repr(config).encode()).hexdigest()[:16]
+    return {
+        "target": digest(target),
+        "drafter": digest(drafter),
+        "sampling": repr(sampling),
+        "batch": batch,
+        "capacity": capacity,
+    }
+
+
+def relative(seconds: list[float]) -> np.ndarray:
+    """Seconds per step for each increasing choice (choice 0 = a plain step) -> costs `[C]` relative to choice 0.
+    A longer draft never costs less than a shorter one (it verifies more rows, after drafting): a measurement
+    that says otherwise is noise and is raised to the shorter draft's cost."""
+    seconds = np.asarray(seconds, np.float64)
+    if seconds.ndim != 1 or len(seconds) < 2 or not np.all(seconds > 0):
+        raise ValueError(f"need a positive time per choice, got {seconds}")
+    return np.maximum.accumulate(seconds / seconds[0]).astype(np.float32)
+
+
+def step_costs(shape: dict, choices: tuple[int, ...], measure: Callable[[int], float]) -> np.ndarray:
+    """The cost table `[C]` for `choices` on this machine and `shape`: read from the cache, else measured with
+    `measure(choice_index) -> seconds per step` and written there."""
+    path = cache_path({**shape, "choices": list(choices)})
+    if path.exists():
+        record = json.loads(path.read_text())
+        return np.asarray(record["costs"], np.float32)
+    costs = relative([measure(i) for i in range(len(choices))])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"machine": machine(), **shape, "choices": list(choices), "costs": costs.tolist()}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
+    return costs
+
+
+MEASURED_STEPS = 8  # steps per timed run (fewer than a policy's probe_every, so a pinned plain run never probes)
+
+
+def time_steps(start: Callable[[], tuple], run: Callable[[tuple], tuple], repeats: int = 5) -> float:
+    """Seconds per loop step: the fastest of `repeats` runs of `run(start())` (start untimed; the carry's first
+    element is the loop state, whose `step` counts the steps run), after one untimed warm-up."""
+    best = float("inf")
+    for attempt in range(repeats + 1):
+        carry = jax.block_until_ready(start())
+        first = int(carry[0].step)
+        began = time.perf_counter()
+        carry = jax.block_until_ready(run(carry))
+        elapsed = time.perf_counter() - began
+        if attempt:
+            best = min(best, elapsed / max(int(carry[0].step) - first, 1))
+    return best

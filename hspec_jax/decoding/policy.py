@@ -1,0 +1,179 @@
+"""Adaptive draft length: per step, draft only as far as it pays (DESIGN.md section 8).
+
+A step that drafts k tokens costs T(k) (drafting + verifying k + 1 positions; T(0) = one plain step, the drafter
+not called) and yields 1 + sum_{j<=k} prod_{i<=j} a_i tokens, with a_i the conditional acceptance of slot i.
+Each step takes the k among the compiled choices (`AdaptivePolicy.choices`, e.g. 0, 1, 2, 4, 7) that maximises
+yield / cost. The costs `[C]` are T(k) / T(0), measured on the device (`costs.py`), a traced array: a new table
+needs no recompilation.
+
+Acceptance estimates, per sequence and slot i (all in the loop state, `PolicyState`):
+
+* c_i, the drafter's prediction for the block just drafted: sigmoid of its confidence head where it has one,
+  else the top probability of its draft distribution at slot i;
+* decayed sums over the steps in which slot i was verified (reached: all earlier drafts accepted):
+  R_i (times reached) and A_i (times accepted), started at `prior_weight` pseudo-steps of acceptance `prior`;
+  a block drafted but then not verified (decision 2 below chose k = 0) counts as slot 1 reached and rejected;
+* one calibration ratio per sequence, A / P: decayed sums over the steps that verified drafts of the drafts
+  accepted (A) and of their predictions c_i (P), started at `prior_weight` pseudo-drafts predicted and accepted
+  alike (so the drafter is trusted at first). It is pooled over slots: slot 1 decides most steps, and a ratio
+  learned there must also temper later slots that have not been reached yet.
+
+Two decisions per step, both per sequence:
+
+1. *whether to draft* the next block (before the drafter runs): with the history estimate a_i = A_i / R_i, is
+   the best k > 0 worth more than a plain step? Otherwise the next step is a plain one and the drafter is not
+   called. A sequence that took `probe_every` plain steps in a row drafts anyway (a probe, with at least the
+   smallest k > 0), so its estimates can recover when the text turns predictable again.
+2. *how far to verify* (after drafting): with the calibrated prediction a_i = min(1, c_i * A / P), the k
+   of the best yield / cost (a probe at least the smallest k > 0).
+
+An uncalibrated or untrained drafter (high c_i, nothing accepted) thus drives A / P and A_1 / R_1 towards 0
+within a few steps and falls back to plain decoding, probing once every `probe_every` steps.
+
+Batch policy: the drafter runs when any active sequence wants to draft, and the step verifies the largest k any
+active sequence chose. Every sequence then verifies all k drafted slots of that width: the target pays for the
+width anyway, and acceptance is lossless for any k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptivePolicy:
+    """Static settings of the adaptive draft length (hashable: part of the engine's jit key).
+
+    choices: the draft lengths the loop compiles a verification for, increasing, starting at 0 (a plain step);
+    the largest is the drafter's k. prior / prior_weight: the starting acceptance estimate and its weight in
+    steps. decay: the weight of older observations (per verification of that slot). probe_every: plain steps in
+    a row after which a sequence drafts again."""
+
+    choices: tuple[int, ...] = (0, 1, 2, 4, 7)
+    prior: float = 0.5
+    prior_weight: float = 2.0
+    decay: float = 0.9
+    probe_every: int = 32
+
+    def __post_init__(self):
+        c = self.choices
+        if len(c) < 2 or c[0] != 0 or any(b <= a for a, b in itertools.pairwise(c)):
+            raise ValueError(f"choices must increase from 0 and include some k > 0, got {c}")
+        if not 0.0 < self.prior < 1.0 or self.prior_weight <= 0.0:
+            raise ValueError(f"prior must be in (0, 1) with a positive weight, got {self.prior}, {self.prior_weight}")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+        if self.probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+
+    @classmethod
+    def for_drafts(cls, k: int, **settings) -> AdaptivePolicy:
+        """The default choices {0, 1, 2, 4, k} cut at k, for a drafter of k drafts."""
+        return cls(choices=tuple(sorted({c for c in (0, 1, 2, 4) if c < k} | {k})), **settings)
+
+    @property
+    def max_drafts(self) -> int:
+        return self.choices[-1]
+
+
+class PolicyState(NamedTuple):
+    costs: jax.Array  # [C] T(k) / T(0) per choice
+    reached: jax.Array  # [B, k] decayed count of steps that verified slot i with all earlier drafts accepted
+    accepted: jax.Array  # [B, k] decayed count of those in which slot i was accepted
+    calibration: jax.Array  # [B, 2] decayed sums of drafts accepted and of their predictions c_i
+    idle: jax.Array  # [B] plain steps in a row
+    drafted: jax.Array  # [B] bool: the block of the next step was drafted for it (not left from an earlier step)
+
+
+def init_policy(policy: AdaptivePolicy, batch: int, costs: jax.Array) -> PolicyState:
+    """The starting state: `prior_weight` pseudo-steps at acceptance `prior` for every slot."""
+    k = policy.max_drafts
+    weight = jnp.full((batch, k), policy.prior_weight, jnp.float32)
+    costs = jnp.asarray(costs, jnp.float32)
+    if costs.shape != (len(policy.choices),):
+        raise ValueError(f"costs has shape {costs.shape}, expected one per choice {policy.choices}")
+    calibration = jnp.full((batch, 2), policy.prior_weight, jnp.float32)
+    idle = jnp.zeros((batch,), jnp.int32)
+    return PolicyState(costs, weight, weight * policy.prior, calibration, idle, jnp.ones((batch,), bool))
+
+
+def expected_yield(acceptance: jax.Array, choices: tuple[int, ...]) -> jax.Array:
+    """Conditional acceptance `[B, k]` -> expected tokens per step `[B, C]` for each choice of k:
+    1 + sum_{j<=k} prod_{i<=j} a_i."""
+    reach = jnp.cumsum(jnp.cumprod(acceptance, axis=-1), axis=-1)  # [B, k]
+    padded = jnp.concatenate([jnp.zeros_like(reach[:, :1]), reach], axis=-1)  # [B, k+1], index k = k drafts
+    return 1.0 + padded[:, jnp.asarray(choices)]
+
+
+def best_choice(acceptance: jax.Array, costs: jax.Array, choices: tuple[int, ...]) -> jax.Array:
+    """`[B, k]` acceptance, costs `[C]` -> `[B]` index of the choice of the best yield per unit of cost."""
+    return jnp.argmax(expected_yield(acceptance, choices) / costs, axis=-1).astype(jnp.int32)
+
+
+def history_acceptance(state: PolicyState) -> jax.Array:
+    """`[B, k]` acceptance observed so far, A_i / R_i."""
+    return state.accepted / state.reached
+
+
+def calibrated_acceptance(state: PolicyState, confidence: jax.Array) -> jax.Array:
+    """`[B, k]` the drafter's prediction c_i corrected by this sequence's record: min(1, c_i * A / P)."""
+    ratio = state.calibration[:, 0] / jnp.maximum(state.calibration[:, 1], 1e-6)
+    return jnp.minimum(confidence * ratio[:, None], 1.0)
+
+
+def probing(state: PolicyState, policy: AdaptivePolicy) -> jax.Array:
+    """`[B]` whether a sequence has taken `probe_every` plain steps in a row."""
+    return state.idle >= policy.probe_every
+
+
+def wants_draft(state: PolicyState, policy: AdaptivePolicy, active: jax.Array) -> jax.Array:
+    """Decision 1, before drafting: scalar, whether any active sequence wants a next block."""
+    best = best_choice(history_acceptance(state), state.costs, policy.choices)
+    return jnp.any(active & ((best > 0) | probing(state, policy)))
+
+
+def step_choice(state: PolicyState, policy: AdaptivePolicy, confidence: jax.Array, active: jax.Array) -> jax.Array:
+    """Decision 2, after drafting with predictions `confidence [B, k]`: scalar index into `choices` of the
+    next step's k, the largest any active sequence chose (a probing sequence at least choice 1)."""
+    best = best_choice(calibrated_acceptance(state, confidence), state.costs, policy.choices)
+    best = jnp.where(probing(state, policy), jnp.maximum(best, 1), best)
+    return jnp.max(jnp.where(active, best, 0))
+
+
+def observe(
+    state: PolicyState,
+    policy: AdaptivePolicy,
+    confidence: jax.Array,
+    drafts: jax.Array,
+    n: jax.Array,
+    active: jax.Array,
+) -> PolicyState:
+    """Record a verification of `drafts` (scalar, 0 for a plain step) slots predicted `confidence [B, k]`, in
+    which `n [B]` drafts were accepted, for the active sequences `[B]`. A block drafted and then not verified
+    (decision 2 chose k = 0) counts as a rejection at slot 1 in the history: that drafting bought nothing."""
+    slots = jnp.arange(state.reached.shape[1])
+    reached = active[:, None] & (slots < drafts) & (slots <= n[:, None])
+    declined = active & state.drafted & (drafts == 0)
+    seen = reached | (declined[:, None] & (slots == 0))
+    hit = (slots < n[:, None]).astype(jnp.float32)
+    decayed = lambda total, value: jnp.where(seen, policy.decay * total + value, total)
+    verified = active & (drafts > 0)
+    pooled = jnp.stack([jnp.sum(hit * reached, -1), jnp.sum(confidence * reached, -1)], -1)
+    calibration = jnp.where(verified[:, None], policy.decay * state.calibration + pooled, state.calibration)
+    return state._replace(
+        reached=decayed(state.reached, 1.0),
+        accepted=decayed(state.accepted, jnp.where(reached, hit, 0.0)),
+        calibration=calibration,
+        idle=jnp.where(active, jnp.where(drafts > 0, 0, state.idle + 1), state.idle),
+    )
+
+
+def pinned_costs(policy: AdaptivePolicy, index: int) -> jax.Array:
+    """A cost table under which every step takes choice `index` (for measuring that choice's cost): the
+    history decision always drafts (never, for index 0) and the verification always picks it."""
+    return jnp.full((len(policy.choices),), 1e6, jnp.float32).at[index].set(1e-6)

@@ -1,0 +1,240 @@
+"""The adaptive draft length (`decoding/policy.py`): the policy's arithmetic, lossless outputs whatever it chooses,
+a fall-back to plain steps for a useless drafter, and drafter state kept exact across plain steps."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+from test_speculative import (
+    EOS,
+    TARGET,
+    bigram_target,
+    exact_joint,
+    oracle_drafter,
+    random_drafter,
+)
+from test_speculative import (
+    prompts as prompts,
+)
+from test_speculative import (
+    target_params as target_params,
+)
+
+from hspec_jax.decoding import SamplingConfig, generate, pad_batch
+from hspec_jax.decoding import costs as cost_model
+from hspec_jax.decoding.policy import (
+    AdaptivePolicy,
+    best_choice,
+    expected_yield,
+    init_policy,
+    observe,
+    pinned_costs,
+    step_choice,
+    wants_draft,
+)
+from hspec_jax.decoding.speculative import spec_decode_chunk, spec_prefill, speculative_generate
+from hspec_jax.drafters import DRAFTER_KINDS
+from hspec_jax.drafters.dflash import drafter_context
+from hspec_jax.models import init_cache
+
+POLICY = AdaptivePolicy.for_drafts(7)
+CPU_LIKE = jnp.array([1.0, 1.3, 1.45, 1.7, 2.2])  # T(k) / T(0) for k = 0, 1, 2, 4, 7, as on a 2-core CPU
+FREE = jnp.array([1.0, 1.0, 1.0, 1.0, 1.0])  # an accelerator at small batch: drafting costs nothing
+
+
+def test_choices_and_expected_yield():
+    assert POLICY.choices == (0, 1, 2, 4, 7)
+    assert AdaptivePolicy.for_drafts(3).choices == (0, 1, 2, 3)
+    a = jnp.array([[0.5, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    np.testing.assert_allclose(expected_yield(a, POLICY.choices), [[1.0, 1.5, 1.75, 2.25, 3.0]])
+    assert int(best_choice(a, CPU_LIKE, POLICY.choices)[0]) == 4  # 3.0 / 2.2 beats 1.5 / 1.3 and 1 / 1
+    assert int(best_choice(a * 0.2, CPU_LIKE, POLICY.choices)[0]) == 0  # 1.1 / 1.3 < 1: a plain step
+    with pytest.raises(ValueError, match="increase from 0"):
+        AdaptivePolicy(choices=(1, 2))
+    with pytest.raises(ValueError, match="one per choice"):
+        init_policy(POLICY, 1, jnp.ones(3))
+
+
+def test_an_overconfident_drafter_falls_back_then_probes():
+    """Predicts 0.9 everywhere, never accepted: within a few steps no sequence drafts, until a probe is due."""
+    state = init_policy(POLICY, 2, CPU_LIKE)
+    active = jnp.array([True, True])
+    confident = jnp.full((2, 7), 0.9)
+    assert bool(wants_draft(state, POLICY, active))  # the prior trusts the drafter at first
+    assert int(step_choice(state, POLICY, confident, active)) == 4
+    steps = 0
+    while bool(wants_draft(state, POLICY, active)) or int(step_choice(state, POLICY, confident, active)):
+        state = observe(state, POLICY, confident, jnp.int32(7), jnp.zeros(2, jnp.int32), active)
+        steps += 1
+    assert steps <= 6
+    state = state._replace(drafted=~active)  # plain steps from now on: the drafter is not called
+    for _ in range(POLICY.probe_every):
+        state = observe(state, POLICY, confident, jnp.int32(0), jnp.zeros(2, jnp.int32), active)
+    assert bool(wants_draft(state, POLICY, active))
+    assert int(step_choice(state, POLICY, confident, active)) == 1  # a probe: the smallest k
+    # A probe that is accepted lifts the estimates again.
+    state = state._replace(drafted=active)
+    for _ in range(3):
+        state = observe(state, POLICY, confident, jnp.int32(1), jnp.ones(2, jnp.int32), active)
+    assert int(best_choice(state.accepted / state.reached, CPU_LIKE, POLICY.choices)[0]) > 0
+
+
+def test_drafts_that_are_never_verified_stop_the_drafting():
+    """A drafter whose blocks always look hopeless (decision 2 takes k = 0): its drafting buys nothing, so the
+    history turns it off within a few steps (no drafter call on plain steps), until a probe is due."""
+    state = init_policy(POLICY, 1, CPU_LIKE)
+    active, hopeless = jnp.array([True]), jnp.full((1, 7), 0.01)
+    steps = 0
+    while bool(wants_draft(state, POLICY, active)):
+        assert int(step_choice(state, POLICY, hopeless, active)) == 0
+        state = observe(state._replace(drafted=active), POLICY, hopeless, jnp.int32(0), jnp.zeros(1, jnp.int32), active)
+        steps += 1
+    assert 1 <= steps <= 6
+    plain = observe(state._replace(drafted=~active), POLICY, hopeless, jnp.int32(0), jnp.zeros(1, jnp.int32), active)
+    np.testing.assert_array_equal(plain.reached, state.reached)  # a plain step without a draft: nothing learnt
+
+
+def test_batch_takes_the_largest_choice_of_active_sequences():
+    state = init_policy(POLICY, 3, CPU_LIKE)
+    confidence = jnp.stack([jnp.full(7, 0.05), jnp.full(7, 0.4), jnp.full(7, 0.99)])
+    active = jnp.array([True, True, True])
+    assert int(step_choice(state, POLICY, confidence, active)) == 4  # k = 7, the third sequence's
+    assert int(step_choice(state, POLICY, confidence, active.at[2].set(False))) in (1, 2)
+    assert int(step_choice(state, POLICY, confidence, jnp.array([True, False, False]))) == 0
+
+
+def generate_auto(target, params, config, vocab, prompts, costs, **kw):
+    tokens, lengths = pad_batch(prompts)
+    policy = AdaptivePolicy.for_drafts(config.num_drafts)
+    return speculative_generate(
+        target,
+        TARGET,
+        params,
+        config,
+        vocab,
+        jnp.asarray(tokens),
+        jnp.asarray(lengths),
+        policy=policy,
+        costs=costs,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("kind", DRAFTER_KINDS)
+def test_auto_is_lossless_and_a_random_drafter_decodes_plainly(kind, target_params, prompts):
+    tokens, lengths = pad_batch(prompts)
+    config, params, vocab = random_drafter(kind, target_params, np.concatenate(prompts))
+    ar = generate(target_params, TARGET, jnp.asarray(tokens), jnp.asarray(lengths), max_new_tokens=60, eos_ids=(EOS,))
+    for costs in (FREE, CPU_LIKE):
+        spec = generate_auto(target_params, params, config, vocab, prompts, costs, max_new_tokens=60, eos_ids=(EOS,))
+        np.testing.assert_array_equal(np.asarray(spec.num_tokens), np.asarray(ar.num_tokens))
+        np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
+    chosen = np.asarray(spec.stats.chosen).sum(0)
+    assert chosen[0] >= 0.8 * chosen.sum(), chosen  # under CPU-like costs: mostly plain steps
+
+
+@pytest.mark.parametrize("kind", ["hspec", "dspark"])
+def test_auto_drafts_far_with_a_good_drafter(kind, target_params, prompts):
+    target = bigram_target(target_params, 0.01)
+    config, params, vocab = oracle_drafter(kind, target)
+    tokens, lengths = pad_batch(prompts)
+    ar = generate(target, TARGET, jnp.asarray(tokens), jnp.asarray(lengths), max_new_tokens=40)
+    spec = generate_auto(target, params, config, vocab, prompts, CPU_LIKE, max_new_tokens=40)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
+    assert spec.stats.tau() > 3.0
+    assert int(np.asarray(spec.stats.chosen)[:, -1].sum()) > 0  # k = 7 chosen
+
+
+@pytest.mark.parametrize("costs", [pinned_costs(POLICY, 0), CPU_LIKE])
+def test_auto_sampled_outputs_follow_the_target_distribution(costs, target_params):
+    """Plain steps only, then the policy's own mix of draft lengths: the joint of 3 tokens is the target's."""
+    target = bigram_target(target_params, 0.03)
+    config, params, vocab = oracle_drafter("hspec", target, noise=0.5)
+    sampling = SamplingConfig(temperature=1.0, top_k=3)
+    prompt, n, length = [7, 19, 33, 41, 5], 6000, 3
+    spec = generate_auto(
+        target,
+        params,
+        config,
+        vocab,
+        [prompt] * n,
+        costs,
+        max_new_tokens=length,
+        sampling=sampling,
+        rng=jax.random.key(13),
+    )
+    samples = [tuple(row) for row in np.asarray(spec.tokens)]
+    joint = exact_joint(target, prompt, sampling, length)
+    outcomes = sorted(joint)
+    observed = np.array([samples.count(o) for o in outcomes])
+    assert observed.sum() == n
+    expected = np.array([joint[o] for o in outcomes])
+    expected = expected / expected.sum() * n
+    keep = expected >= 5
+    obs = np.append(observed[keep], observed[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    obs, exp = (obs, exp) if exp[-1] > 0 else (obs[:-1], exp[:-1])
+    assert scipy_stats.chisquare(obs, exp).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["hspec", "dflash"])
+def test_drafter_state_after_plain_steps_is_what_a_fresh_prefill_gives(kind, target_params, prompts):
+    """Plain steps skip the drafter, yet the next draft (and DFlash's own cache rows) equal those of a prefill
+    of the whole committed text: H-Spec's seed is the last committed row, DFlash injects every plain step's row."""
+    config, params, vocab = random_drafter(kind, target_params, np.concatenate(prompts))
+    prompt, capacity, plain_steps = prompts[1], 64, 6
+    kw = dict(max_new_tokens=32, policy=POLICY)
+    models = (target_params, TARGET, params, config, vocab)
+
+    def prefill(tokens):
+        caches = (init_cache(TARGET, 1, capacity), drafter_context(config, 1, capacity))
+        return spec_prefill(
+            *models, jnp.asarray([tokens]), jnp.asarray([len(tokens)]), *caches, jax.random.key(0), CPU_LIKE, **kw
+        )
+
+    state, cache, context = prefill(prompt)
+    state = state._replace(choice=jnp.int32(0), policy=state.policy._replace(costs=pinned_costs(POLICY, 0)))
+    state, cache, context = spec_decode_chunk(*models, state, cache, context, plain_steps, **kw)
+    assert int(state.num[0]) == plain_steps + 1
+    # One more plain step, after which the policy drafts (a free cost table for k = 7).
+    state = state._replace(policy=state.policy._replace(costs=pinned_costs(POLICY, 4)))
+    state, cache, context = spec_decode_chunk(*models, state, cache, context, 1, **kw)
+    emitted = [int(t) for t in np.asarray(state.tokens[0, : int(state.num[0])])]
+    fresh, fresh_cache, fresh_context = prefill(prompt + emitted[:-1])
+    assert int(fresh.anchor[0]) == emitted[-1] == int(state.anchor[0])
+    np.testing.assert_array_equal(np.asarray(state.draft), np.asarray(fresh.draft))
+    np.testing.assert_allclose(np.asarray(state.seed), np.asarray(fresh.seed), atol=1e-4)
+    committed = int(cache.lengths[0])
+    assert committed == int(fresh_cache.lengths[0])
+    for mine, theirs in zip(jax.tree.leaves(context), jax.tree.leaves(fresh_context), strict=True):
+        np.testing.assert_allclose(np.asarray(mine)[:, :committed], np.asarray(theirs)[:, :committed], atol=1e-4)
+
+
+def test_costs_are_measured_once_per_machine_and_shape(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    def measure(index):
+        calls.append(index)
+        return [0.01, 0.013, 0.012][index]
+
+    shape = {"target": "t", "batch": 1}
+    first = cost_model.step_costs(shape, (0, 1, 3), measure)
+    np.testing.assert_allclose(first, [1.0, 1.3, 1.3], rtol=1e-6)  # never cheaper for a longer draft
+    again = cost_model.step_costs(shape, (0, 1, 3), measure)
+    np.testing.assert_allclose(again, first)
+    assert calls == [0, 1, 2]
+    assert len(list((tmp_path / "hspec_jax" / "costs").glob("*.json"))) == 1
+    cost_model.step_costs({**shape, "batch": 2}, (0, 1, 3), measure)
+    assert len(calls) == 6
+
+
+def test_speculative_generate_measures_costs_when_not_given(tmp_path, monkeypatch, target_params, prompts):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    config, params, vocab = random_drafter("hspec", target_params, np.concatenate(prompts))
+    spec = generate_auto(target_params, params, config, vocab, prompts, None, max_new_tokens=20)
+    (record,) = (tmp_path / "hspec_jax" / "costs").glob("*.json")
+    assert '"costs"' in record.read_text()
+    ar = generate(target_params, TARGET, *(jnp.asarray(x) for x in pad_batch(prompts)), max_new_tokens=20)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
