@@ -299,6 +299,21 @@ def test_jsonl_appender_cuts_partial_line(tmp_path):
         assert [json.loads(line) for line in f] == [{"id": 1}, {"id": 2}, {"id": 3}]
 
 
+def test_jsonl_readers_keep_unicode_line_separators_inside_strings(tmp_path):
+    """U+2028, U+2029 and U+0085 stay unescaped in a record the appender writes; both readers keep it whole."""
+    path = str(tmp_path / "out.jsonl")
+    record = {
+        "id": "s",
+        "messages": [{"role": "user", "content": "a\u2028b\u2029c\x85d"}, {"role": "assistant", "content": "e"}],
+    }
+    with JsonlAppender(path) as out:
+        out.append([record])
+    with JsonlAppender(path) as out:
+        assert out.records == [record]
+    (source,) = parse_sources(path)
+    assert [c.messages for c in load_conversations(source)] == [record["messages"]]
+
+
 def run_tool(module: str, *args: str):
     import os
     import subprocess

@@ -34,6 +34,7 @@ import re
 
 from hspec_jax.errors import InputError
 from train.chat import normalize_text, to_messages, user_texts
+from train.jsonl import jsonl_lines
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ def json_records(path: str) -> list[tuple[int, dict]]:
         numbered = [(1, r) for r in records]
     else:
         numbered = []
-        for number, line in enumerate(text.splitlines(), 1):
+        for number, line in enumerate(jsonl_lines(text), 1):
             if not line.strip():
                 continue
             try:
