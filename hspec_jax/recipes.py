@@ -70,7 +70,14 @@ def data_section() -> ml_collections.ConfigDict:
             "max_anchors": 512,  # blocks per packed row (A)
             "seed": 0,  # shuffling and anchor sampling
             "exclude_eval_prompts": True,  # drop conversations containing an evaluation prompt
-            "held_out_prompts": 8,  # prompts kept out of training for the periodic real-tau check
+            # Conversations never trained on (a local file; any training conversation sharing a user turn with
+            # one is dropped), measured every `train.eval_every` steps; "" = the last `held_out_prompts`
+            # conversations of the first source.
+            "held_out": "",
+            "held_out_prompts": 8,  # held-out prompts the periodic real-tau check generates from (the first ones)
+            # Packed batches (`train.batch_size` rows each, fixed) of the held-out conversations the training
+            # path's per-slot agreement and simulated accept length are measured on (repeating them if too few).
+            "held_out_batches": 4,
             # Supervised tokens of a random sample of the conversations the draft vocabulary is counted from
             # (its top tokens by frequency); 0 = every conversation (slow: minutes for ShareGPT).
             "vocab_sample_tokens": 2_000_000,

@@ -1,4 +1,5 @@
-"""train.compare_runs: per-slot means over the last logged steps, real tau by step, clear errors."""
+"""train.compare_runs: in-sample per-slot means over the last logged steps, held-out agreement, simulated accept
+length and real tau by evaluation step, clear errors."""
 
 import json
 import os
@@ -23,27 +24,40 @@ def logged(step, acc, overlap, **extra):
     return {**record, **extra}
 
 
-def test_means_over_the_last_steps_and_taus_by_step(tmp_path, capsys):
+def held_out(acc, sim):
+    """What train.main logs at an evaluation step besides the real tau."""
+    return {**{f"heldout_acc_{k + 1}": v for k, v in enumerate(acc)}, "heldout_sim_accept_len": sim}
+
+
+def test_in_sample_means_and_held_out_rates_by_eval_step(tmp_path, capsys):
     a = write_run(
         tmp_path,
         "a",
         [
             logged(10, [0.9, 0.9], [0.9, 0.9]),  # outside --last 2
-            logged(20, [0.4, 0.2], [0.5, 0.3], tau=1.25),
-            logged(30, [0.6, 0.0], [0.7, 0.1]),
+            logged(20, [0.4, 0.2], [0.5, 0.3], tau=1.25, **held_out([0.3, 0.1], 1.33)),
+            logged(30, [0.6, 0.0], [0.7, 0.1], tau=1.5, **held_out([0.35, 0.2], 1.42)),
         ],
     )
-    b = write_run(tmp_path, "b", [logged(30, [0.1, 0.1, 0.3], [0.2, 0.2, 0.2], tau=1.5)])
+    b = write_run(tmp_path, "b", [logged(30, [0.1, 0.1, 0.3], [0.2, 0.2, 0.2], tau=1.5)])  # tau only
     out = tmp_path / "table.md"
     assert compare_runs.main([f"H-Spec={a}", b, "--last", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert out.read_text() == text
-    assert "| H-Spec | 30 | acc | 0.500 | 0.100 | - |" in text
-    assert "| H-Spec | 30 | overlap | 0.600 | 0.200 | - |" in text
-    assert "| b | 30 | acc | 0.100 | 0.100 | 0.300 |" in text
-    assert "| run | real tau @20 | real tau @30 |" in text
-    assert "| H-Spec | 1.250 | - |" in text
-    assert "| b | - | 1.500 |" in text
+    assert "| H-Spec | 30 | acc (in-sample) | 0.500 | 0.100 | - |" in text
+    assert "| H-Spec | 30 | overlap (in-sample) | 0.600 | 0.200 | - |" in text
+    assert "| b | 30 | acc (in-sample) | 0.100 | 0.100 | 0.300 |" in text
+    assert "| run | step | held-out acc 1 | held-out acc 2 | held-out sim accept len | real tau |" in text
+    assert "| H-Spec | 20 | 0.300 | 0.100 | 1.330 | 1.250 |" in text
+    assert "| H-Spec | 30 | 0.350 | 0.200 | 1.420 | 1.500 |" in text
+    assert "| b | 30 | - | - | - | 1.500 |" in text
+    assert "| H-Spec | 10 |" not in text  # not an evaluation step
+
+
+def test_no_evaluation_step_no_held_out_table(tmp_path, capsys):
+    assert compare_runs.main([write_run(tmp_path, "r", [logged(10, [0.5], [0.5])])]) == 0
+    text = capsys.readouterr().out
+    assert "| r | 10 | acc (in-sample) | 0.500 |" in text and "held-out" not in text
 
 
 def test_records_are_taken_in_step_order(tmp_path):

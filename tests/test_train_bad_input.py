@@ -63,6 +63,8 @@ def write_jsonl(path, lines):
         (["--config.data.seq_len=8"], 1, ["--config.data.seq_len must exceed"]),
         (["--config.data.sources=/nope/chats.jsonl"], 1, ["'/nope/chats.jsonl' does not exist"]),
         (["--config.data.sources=chats.txt"], 1, ["--config.data.sources", "chats.txt"]),
+        (["--config.data.held_out=/nope/held.jsonl"], 1, ["--config.data.held_out: file '/nope/held.jsonl' does"]),
+        (["--config.data.held_out_batches=0"], 1, ["--config.data.held_out_batches must be at least 1, got 0"]),
         (["--config.target.path=/nope/model"], 1, ["/nope/model"]),
         (["--config.mesh=data=2,fsdp=1,model=1"], 1, ["--config.mesh"]),
         (["--config.drafter.kind=nope"], 1, ["unknown drafter kind 'nope'"]),
@@ -106,6 +108,14 @@ def test_a_bad_data_line_is_named_with_its_number_before_anything_is_written(tmp
     assert not (tmp_path / "run").exists()
 
 
+def test_a_held_out_file_smaller_than_the_real_tau_prompts_writes_nothing(tmp_path):
+    data = write_jsonl(tmp_path / "chats.jsonl", [json.dumps(CHAT)] * 8)
+    held = write_jsonl(tmp_path / "held.jsonl", [json.dumps(CHAT)] * 3)  # the tiny recipe's real tau needs 4
+    status, err = train_main(tmp_path / "run", f"--config.data.held_out={held}", data=data)
+    assert_one_error(status, err, 1, f"--config.data.held_out '{held}' has 3 usable conversations; it needs at least 4")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_source_without_usable_conversation_writes_nothing(tmp_path):
     data = write_jsonl(tmp_path / "chats.jsonl", [json.dumps({"messages": [{"role": "assistant", "content": "x"}]})])
     (tmp_path / "run").mkdir()
@@ -131,10 +141,20 @@ def test_what_may_change_on_resume():
     assert recipe_differences(recorded, changed.to_dict()) == []
     changed.target.hf_config.hidden_size = 32
     changed.data.sources = "other.jsonl"
+    changed.data.held_out_batches = 1  # which held-out batches are measured, not what is trained on
     assert recipe_differences(recorded, changed.to_dict()) == [
         "data.sources='sharegpt' (requested 'other.jsonl')",
         "target.hf_config.hidden_size=64 (requested 32)",
     ]
+
+
+def test_a_work_directory_older_than_the_held_out_fields_resumes_with_their_defaults():
+    recorded = load_config("tiny").to_dict()
+    del recorded["data"]["held_out"], recorded["data"]["held_out_batches"]
+    assert recipe_differences(recorded, load_config("tiny").to_dict()) == []
+    changed = load_config("tiny")
+    changed.data.held_out = "held.jsonl"
+    assert recipe_differences(recorded, changed.to_dict()) == ["data.held_out='' (requested 'held.jsonl')"]
 
 
 class _Run:
@@ -277,12 +297,16 @@ def test_compare_runs_skips_a_line_cut_by_a_kill_and_names_a_bad_one(tmp_path):
 def test_tensorboard_groups_training_and_held_out_scalars():
     from train.loop import scalar_tag
 
-    assert [scalar_tag(n) for n in ("loss", "acc_1", "tokens_per_s", "tau", "accept_3")] == [
+    names = ["loss", "acc_1", "sim_accept_len", "tokens_per_s", "tau", "accept_3", "heldout_acc_1"]
+    assert [scalar_tag(n) for n in [*names, "heldout_sim_accept_len"]] == [
         "train/loss",
         "train/acc_1",
+        "train/sim_accept_len",
         "train/tokens_per_s",
         "eval/tau",
         "eval/accept_3",
+        "eval/heldout_acc_1",
+        "eval/heldout_sim_accept_len",
     ]
 
 

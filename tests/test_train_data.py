@@ -299,6 +299,21 @@ def test_jsonl_appender_cuts_partial_line(tmp_path):
         assert [json.loads(line) for line in f] == [{"id": 1}, {"id": 2}, {"id": 3}]
 
 
+def test_jsonl_readers_keep_unicode_line_separators_inside_strings(tmp_path):
+    """U+2028, U+2029 and U+0085 stay unescaped in a record the appender writes; both readers keep it whole."""
+    path = str(tmp_path / "out.jsonl")
+    record = {
+        "id": "s",
+        "messages": [{"role": "user", "content": "a\u2028b\u2029c\x85d"}, {"role": "assistant", "content": "e"}],
+    }
+    with JsonlAppender(path) as out:
+        out.append([record])
+    with JsonlAppender(path) as out:
+        assert out.records == [record]
+    (source,) = parse_sources(path)
+    assert [c.messages for c in load_conversations(source)] == [record["messages"]]
+
+
 def run_tool(module: str, *args: str):
     import os
     import subprocess
@@ -394,23 +409,28 @@ def test_regenerate_skips_repeated_prompts():
 
 
 def test_committed_smollm2_data_matches_its_record_and_holds_no_evaluation_prompt():
-    """The regenerated files of the SmolLM2 training mix (configs/smollm2.py) are the ones data/README.md records
-    (conversation count, sha256), each a user turn answered by the target, with no evaluation prompt in them."""
+    """The files of the SmolLM2 training mix and its held-out set (configs/smollm2.py) are the ones data/README.md
+    records (conversation count, sha256), each a user turn answered by the target, with no evaluation prompt in
+    them, and no user turn of the held-out set in a training file."""
     import os
     import re
 
     from hspec_jax.recipes import load_config
-    from train.data import evaluation_texts, source_fingerprint
+    from train.data import evaluation_texts, exclude_held_out, source_fingerprint
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "data", "README.md")) as f:
         rows = re.findall(r"^\| `([\w.]+\.jsonl)` \| ([\d,]+) \|.*\| `([0-9a-f]{64})` \|$", f.read(), re.MULTILINE)
     recorded = {name: (int(count.replace(",", "")), sha) for name, count, sha in rows}
-    files = [s for s in parse_sources(load_config("smollm2").data.sources) if s.location != "sharegpt"]
-    assert sorted(os.path.basename(s.location) for s in files) == sorted(recorded)
+    config = load_config("smollm2")
+    training = parse_sources(config.data.sources)
+    held_out = Source("held_out", config.data.held_out)
+    assert all(s.location != "sharegpt" for s in training)  # target-written text only
+    assert sorted(os.path.basename(s.location) for s in [*training, held_out]) == sorted(recorded)
     texts = evaluation_texts()
     assert len(texts) > 400
-    for source in files:
+    loaded = []
+    for source in [*training, held_out]:
         count, sha = recorded[os.path.basename(source.location)]
         assert source_fingerprint(source)["sha256"] == sha
         conversations = load_conversations(source)
@@ -418,6 +438,22 @@ def test_committed_smollm2_data_matches_its_record_and_holds_no_evaluation_promp
         roles = {tuple(m["role"] for m in c.messages if m["role"] != "system") for c in conversations}
         assert roles == {("user", "assistant")}
         assert exclude_eval_prompts(conversations, texts)[1] == 0
+        loaded.append(LoadedSource(source, conversations, 0))
+    assert len(loaded[-1].conversations) >= 64
+    assert [s.num_held_out for s in exclude_held_out(loaded[:-1], loaded[-1].conversations)] == [0] * len(training)
+
+
+def test_training_conversations_sharing_a_user_turn_with_the_held_out_set_are_dropped():
+    from train.data import exclude_held_out
+
+    first = LoadedSource(Source("a", "memory"), [chat(0), chat(1, turns=2), chat(2)], 0)
+    second = LoadedSource(Source("b", "memory"), [chat(3), chat(4)], 0)
+    held_out = [Conversation("h", "held_out", [{"role": "user", "content": " Q1.1 X!"}]), chat(4)]
+    a, b = exclude_held_out([first, second], held_out)  # chat(1)'s second turn and chat(4) are held out
+    assert [c.id for c in a.conversations] == ["0", "2"] and a.num_held_out == 1
+    assert [c.id for c in b.conversations] == ["3"] and b.num_held_out == 1
+    with pytest.raises(ValueError, match="data source 'b' has no conversation left beside the held-out set"):
+        exclude_held_out([second], [chat(3), chat(4)])
 
 
 def test_near_duplicates_drop_reworded_prompts_and_keep_distinct_ones():

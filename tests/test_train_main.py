@@ -27,19 +27,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ["Ada", "Bo", "Cy", "Di", "Ed", "Flo", "Gus", "Hal"]
 
 
-def write_conversations(path, count=160):
+def conversations(count, seed=0, prefix="sum"):
     """Templated arithmetic chats written here (no external data): learnable, deterministic text."""
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
+    records = []
+    for i in range(count):
+        a, b = (int(x) for x in rng.integers(1, 50, 2))
+        name = NAMES[i % len(NAMES)]
+        messages = [
+            {"role": "user", "content": f"{name} has {a} apples and gets {b} more. How many now?"},
+            {"role": "assistant", "content": f"{name} now has {a} + {b} = {a + b} apples."},
+        ]
+        records.append({"id": f"{prefix}-{i}", "messages": messages})
+    return records
+
+
+def write_jsonl(path, records):
     with open(path, "w") as f:
-        for i in range(count):
-            a, b = (int(x) for x in rng.integers(1, 50, 2))
-            name = NAMES[i % len(NAMES)]
-            messages = [
-                {"role": "user", "content": f"{name} has {a} apples and gets {b} more. How many now?"},
-                {"role": "assistant", "content": f"{name} now has {a} + {b} = {a + b} apples."},
-            ]
-            f.write(json.dumps({"id": f"sum-{i}", "messages": messages}) + "\n")
+        f.writelines(json.dumps(r) + "\n" for r in records)
     return str(path)
+
+
+def write_conversations(path, count=160):
+    return write_jsonl(path, conversations(count))
 
 
 def command(workdir, data, *overrides):
@@ -87,22 +97,50 @@ def losses(workdir):
 
 
 STEPS = ["--config.train.num_steps=9", "--config.train.checkpoint_every=3"]
+TRAIN_COUNT = 160
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """(data file, work directory, printed result) of one uninterrupted 9-step run, the reference of the
-    resume and multi-process tests."""
+    """(data file, work directory, printed result, step overrides) of one uninterrupted 9-step run with a held-out
+    file, the reference of the resume and multi-process tests (which run with the same step overrides). The
+    held-out file repeats the first training conversation, so training must drop it."""
     root = tmp_path_factory.mktemp("train_main")
-    data = write_conversations(root / "chat.jsonl")
-    return data, root / "straight", run_ok(command(root / "straight", data, *STEPS, "--config.train.eval_every=9"))
+    data = write_conversations(root / "chat.jsonl", TRAIN_COUNT)
+    held_out = write_jsonl(root / "heldout.jsonl", [*conversations(12, seed=1, prefix="held"), conversations(1)[0]])
+    steps = [*STEPS, f"--config.data.held_out={held_out}"]
+    result = run_ok(command(root / "straight", data, *steps, "--config.train.eval_every=9"))
+    return data, root / "straight", result, steps
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("processes")
+def test_held_out_metrics_at_eval_steps_and_held_out_prompts_never_trained_on(straight):
+    _, straight, result, _ = straight
+    with open(straight / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    slots = range(1, 8)  # the tiny recipe drafts 7 tokens per block
+    expected = {*(f"heldout_acc_{k}" for k in slots), *(f"heldout_overlap_{k}" for k in slots)}
+    expected |= {"heldout_sim_accept_len", "heldout_loss", "heldout_supervised_slots", "tau"}
+    assert [r["step"] for r in rows if expected <= set(r)] == [9]  # eval_every=9: the last step only
+    assert not any(key.startswith("heldout_") for r in rows[:-1] for key in r)
+    final = rows[-1]
+    assert all(0.0 <= final[f"heldout_acc_{k}"] <= 1.0 for k in slots)
+    agree = [final[f"heldout_acc_{k}"] for k in slots]
+    assert final["heldout_sim_accept_len"] == pytest.approx(1 + sum(np.cumprod(agree)), rel=1e-5)
+    assert final["heldout_supervised_slots"] > 0 and np.isfinite(final["heldout_loss"])
+    assert result["heldout_acc_1"] == final["heldout_acc_1"]
+    report = json.loads((straight / "data.json").read_text())
+    (source,) = report["sources"]
+    assert source["conversations"] == TRAIN_COUNT - 1 and source["excluded_held_out_prompts"] == 1
+    assert report["held_out"] == [*(f"held-{i}" for i in range(12)), "sum-0"]
 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("processes")
 def test_trains_exports_and_resumes_exactly_after_kill(straight, tmp_path):
-    data, straight, result = straight
-    steps = [*STEPS, "--config.train.eval_every=9"]
+    data, straight, result, steps = straight
+    steps = [*steps, "--config.train.eval_every=9"]
     assert result["resumed_from"] == 0 and result["tau"] >= 1.0 and "accept_1" in result
     reference = losses(straight)
     assert len(reference) == 9 and reference[-1] < reference[0]
@@ -147,8 +185,8 @@ def free_port():
 @pytest.mark.slow
 @pytest.mark.xdist_group("processes")
 def test_two_processes_train_like_one(straight, tmp_path):
-    data, single, _ = straight
-    steps = [*STEPS, "--config.train.eval_every=0"]  # the real-tau check comes after the loss it would not change
+    data, single, _, steps = straight
+    steps = [*steps, "--config.train.eval_every=0"]  # the real-tau check comes after the loss it would not change
     port = free_port()
     # Without the tests' compilation cache: a collective program loaded from it by the second process
     # disagrees with the first's (jax 0.10.2 on CPU: "sync_global_devices name mismatch").

@@ -14,13 +14,14 @@ from hspec_jax.drafters.params import trainable_mask
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.models import forward, init_cache, init_params
 from hspec_jax.recipes import drafter_from_recipe, target_config
-from train.losses import LossWeights, recipe_weights
+from train.losses import LossWeights, loss_from_sums, recipe_weights
 from train.optim import make_optimizer
 from train.step import (
     StepConfig,
     TrainState,
     block_target_logits,
     eval_loss_fn,
+    eval_sums_fn,
     make_train_step,
     target_features,
 )
@@ -146,6 +147,22 @@ def test_chunking_does_not_change_the_loss(target_params):
     for other in results[1:]:
         for name in ("loss", "ce", "tv", "confidence"):
             np.testing.assert_allclose(float(other[name]), float(results[0][name]), rtol=1e-5)
+
+
+def test_statistics_pooled_over_batches_give_the_metrics_of_the_batches_together(target_params):
+    """What train.main logs on held-out batches: sums added over batches, then `loss_from_sums`."""
+    drafter, vocab, state, *_ = setup_state("hspec", target_params)
+    config = StepConfig(TARGET, drafter, LossWeights(), anchors_per_chunk=4)
+    a, b = packed_batch(seed=6, batch=1), packed_batch(seed=7, batch=1)
+    both = {k: np.concatenate([a[k], b[k]]) for k in a}
+    sums = eval_sums_fn(config)
+    pooled = jax.tree.map(
+        lambda x, y: x + y, *(sums(state.params, target_params, vocab, jax.tree.map(jnp.asarray, x)) for x in (a, b))
+    )
+    _, metrics = loss_from_sums(pooled, config.weights)
+    together = eval_loss_fn(config)(state.params, target_params, vocab, jax.tree.map(jnp.asarray, both))
+    for name in ("loss", "acc", "overlap", "sim_accept_len", "supervised_slots"):
+        np.testing.assert_allclose(np.asarray(metrics[name]), np.asarray(together[name]), rtol=1e-5, atol=1e-6)
 
 
 def test_blocks_never_see_another_document(target_params):

@@ -15,8 +15,8 @@ import ml_collections
 from hspec_jax.cli import check_output_dir
 from hspec_jax.errors import InputError
 from hspec_jax.models import TargetConfig
-from hspec_jax.recipes import drafter_from_recipe
-from train.data import parse_sources
+from hspec_jax.recipes import data_section, drafter_from_recipe
+from train.data import FILE_FORMATS, parse_sources
 from train.optim import OPTIMIZERS
 
 # Integer fields and the least value each may take.
@@ -34,13 +34,14 @@ INT_BOUNDS = {
     "data.max_anchors": 1,
     "data.seed": 0,
     "data.held_out_prompts": 0,
+    "data.held_out_batches": 1,
     "data.vocab_sample_tokens": 0,
 }
 RECIPE_FILE = "recipe.json"
 # What a resumed run must share with the run that created its work directory: the checkpoint's shapes, the draft
 # vocabulary, the target and the data stream. The rest (steps, learning rate, logging) may change on resume.
 RESUME_PREFIXES = ("target.", "drafter.", "data.", "train.batch_size", "train.optimizer")
-RESUME_FREE = ("target.name", "drafter.attention_impl", "data.vocab_sample_tokens")
+RESUME_FREE = ("target.name", "drafter.attention_impl", "data.vocab_sample_tokens", "data.held_out_batches")
 
 
 def field(config: ml_collections.ConfigDict, name: str):
@@ -93,11 +94,22 @@ def check_sources(spec: str, flag: str = "--config.data.sources") -> None:
             raise InputError(f"{flag}: data source file {source.location!r} does not exist")
 
 
+def check_held_out(path: str) -> None:
+    """The held-out set, when given, is an existing local conversations file (read later, once)."""
+    if not path:
+        return
+    if os.path.splitext(path)[1].lower() not in FILE_FORMATS:
+        raise InputError(f"--config.data.held_out {path!r} is not a {'/'.join(FILE_FORMATS)} file of conversations")
+    if not os.path.isfile(path):
+        raise InputError(f"--config.data.held_out: file {path!r} does not exist")
+
+
 def check_recipe(config: ml_collections.ConfigDict, workdir: str) -> TargetConfig:
     """Every check that needs neither weights nor data; returns the target's config."""
     check_numbers(config)
     check_output_dir(workdir, "--workdir")
     check_sources(config.data.sources)
+    check_held_out(config.data.held_out)
     target = target_config(config.target.path)
     drafter = drafter_from_recipe(config, target=target)
     block = drafter.num_drafts + 1
@@ -129,8 +141,10 @@ def resume_fields(recipe: dict) -> dict:
 
 
 def recipe_differences(recorded: dict, requested: dict) -> list[str]:
-    """`field: recorded (requested: value)` for each resume field that differs, sorted by field."""
-    old, new = resume_fields(recorded), resume_fields(requested)
+    """`field: recorded (requested: value)` for each resume field that differs, sorted by field. A data field the
+    recorded recipe lacks (its work directory is older than the field) is taken at its default, `data_section`'s."""
+    old = {**resume_fields({"data": data_section().to_dict()}), **resume_fields(recorded)}
+    new = resume_fields(requested)
     return [
         f"{k}={old.get(k, '<unset>')!r} (requested {new.get(k, '<unset>')!r})"
         for k in sorted(set(old) | set(new))

@@ -1,12 +1,15 @@
 """Compare training runs by what they logged: `python -m train.compare_runs RUN_DIR... [--last N] [--out FILE]`.
 
-Every logged step's metrics are measured on that step's batch before the update: within the first epoch, rows
-the run has not trained on, so their mean over the last N logged steps is an out-of-sample estimate with
-thousands of drafted blocks behind it. Per draft slot k it prints the greedy agreement `acc_k` (the drafter's
-top token is the target's) and the acceptance probability `overlap_k` (sum over the vocabulary of min(p, q)),
-each over all blocks, not only those whose earlier slots were accepted: a drafter whose rates fall faster with
-k is one that decays at later positions. It also prints the held-out real tau at every step where
-the run measured it (`eval_every`).
+In-sample: every logged step's metrics are measured on that step's training batch before the update (rows the
+run may have trained on in an earlier epoch). Per draft slot k it prints their mean over the last N logged steps
+of the greedy agreement `acc_k` (the drafter's top token is the target's) and the acceptance probability
+`overlap_k` (sum over the vocabulary of min(p, q)), each over all blocks, not only those whose earlier slots
+were accepted: a drafter whose rates fall faster with k is one that decays at later positions.
+
+Held-out: at every evaluation step (`eval_every`) it prints the same training-path agreement `heldout_acc_k` and
+simulated accept length `heldout_sim_accept_len` (1 + sum_k prod_{j<=k} acc_j) on the run's fixed held-out
+conversations, never trained on, beside the engine's real tau on held-out prompts. A gap between in-sample and
+held-out agreement is memorisation.
 """
 
 from __future__ import annotations
@@ -55,17 +58,29 @@ def slot_means(records: list[dict], prefix: str, last: int) -> list[float]:
     return [sum(r[f"{prefix}_{k}"] for r in rows) / len(rows) for k in range(1, count + 1)]
 
 
-def real_taus(records: list[dict]) -> dict[int, float]:
-    """{step: held-out real tau} for the steps where the run measured it."""
-    return {r["step"]: r["tau"] for r in records if "tau" in r}
+HELD_OUT = "heldout_"  # the prefix of the held-out metrics train.main logs at evaluation steps
 
 
-def table(names: list[str], runs: list[list[dict]], last: int) -> str:
-    """The markdown comparison of the runs (one row per run and metric)."""
-    steps = sorted({s for records in runs for s in real_taus(records)})
+def eval_records(records: list[dict]) -> list[dict]:
+    """The records of the evaluation steps: those with held-out metrics or a real tau."""
+    return [r for r in records if "tau" in r or f"{HELD_OUT}acc_1" in r]
+
+
+def slot_count(records: list[dict], prefix: str) -> int:
+    """The largest k of the `prefix_k` keys over `records` (0 with none)."""
+    ks = [int(key[len(prefix) + 1 :]) for r in records for key in r if key.startswith(f"{prefix}_")]
+    return max(ks, default=0)
+
+
+def cell(record: dict, key: str) -> str:
+    return f"{record[key]:.3f}" if key in record else "-"
+
+
+def in_sample_table(names: list[str], runs: list[list[dict]], last: int) -> list[str]:
+    """Markdown lines: per run, the in-sample per-slot means over its last `last` logged steps."""
     slots = max(len(slot_means(records, "acc", last)) for records in runs)
     lines = [
-        f"Per-slot rates: mean over each run's last {last} logged steps. Real tau: held-out prompts, greedy.",
+        f"In-sample per-slot rates (each step's training batch): mean over each run's last {last} logged steps.",
         "",
         "| run | last step | metric | " + " | ".join(str(k) for k in range(1, slots + 1)) + " |",
         "|---|---|---|" + "---|" * slots,
@@ -74,13 +89,38 @@ def table(names: list[str], runs: list[list[dict]], last: int) -> str:
         for prefix in ("acc", "overlap"):
             values = slot_means(records, prefix, last)
             cells = [f"{v:.3f}" for v in values] + ["-"] * (slots - len(values))
-            lines.append(f"| {name} | {records[-1]['step']} | {prefix} | " + " | ".join(cells) + " |")
-    if steps:
-        lines += ["", "| run | " + " | ".join(f"real tau @{s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]
-        for name, records in zip(names, runs, strict=True):
-            taus = real_taus(records)
-            lines.append(f"| {name} | " + " | ".join(f"{taus[s]:.3f}" if s in taus else "-" for s in steps) + " |")
-    return "\n".join(lines) + "\n"
+            lines.append(f"| {name} | {records[-1]['step']} | {prefix} (in-sample) | " + " | ".join(cells) + " |")
+    return lines
+
+
+def held_out_table(names: list[str], runs: list[list[dict]]) -> list[str]:
+    """Markdown lines: per run and evaluation step, the held-out per-slot agreement and simulated accept length
+    beside the real tau (none without evaluation steps)."""
+    evals = [eval_records(records) for records in runs]
+    if not any(evals):
+        return []
+    slots = max(slot_count(records, f"{HELD_OUT}acc") for records in evals)
+    lines = [
+        "",
+        "Held-out (fixed conversations never trained on): training-path agreement per slot and simulated accept "
+        "length; real tau: the engine, greedy, on held-out prompts.",
+        "",
+        "| run | step | "
+        + "".join(f"held-out acc {k} | " for k in range(1, slots + 1))
+        + "held-out sim accept len | real tau |",
+        "|---|---|" + "---|" * (slots + 2),
+    ]
+    for name, records in zip(names, evals, strict=True):
+        for r in records:
+            cells = [cell(r, f"{HELD_OUT}acc_{k}") for k in range(1, slots + 1)]
+            cells += [cell(r, f"{HELD_OUT}sim_accept_len"), cell(r, "tau")]
+            lines.append(f"| {name} | {r['step']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def table(names: list[str], runs: list[list[dict]], last: int) -> str:
+    """The markdown comparison of the runs: the in-sample table, then the held-out one."""
+    return "\n".join(in_sample_table(names, runs, last) + held_out_table(names, runs)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

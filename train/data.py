@@ -34,6 +34,7 @@ import re
 
 from hspec_jax.errors import InputError
 from train.chat import normalize_text, to_messages, user_texts
+from train.jsonl import jsonl_lines
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ def json_records(path: str) -> list[tuple[int, dict]]:
         numbered = [(1, r) for r in records]
     else:
         numbered = []
-        for number, line in enumerate(text.splitlines(), 1):
+        for number, line in enumerate(jsonl_lines(text), 1):
             if not line.strip():
                 continue
             try:
@@ -259,6 +260,7 @@ class LoadedSource:
     source: Source
     conversations: list[Conversation]
     num_excluded: int  # conversations dropped because a user turn is an evaluation prompt
+    num_held_out: int = 0  # conversations dropped because a user turn is a held-out prompt (`exclude_held_out`)
 
 
 def evaluation_texts() -> list[str]:
@@ -284,3 +286,18 @@ def load_mixture(spec: str, exclude_texts=None) -> list[LoadedSource]:
             raise InputError(f"data source {source.name!r} ({source.location}) has no usable conversation")
         loaded.append(LoadedSource(source, kept, dropped))
     return loaded
+
+
+def exclude_held_out(loaded: list[LoadedSource], held_out: list[Conversation]) -> list[LoadedSource]:
+    """`loaded` without the conversations that share a user turn with a held-out conversation (by normalised text,
+    as for evaluation prompts), so a held-out set stays unseen even when a training file repeats it; the counts
+    are logged and kept in `num_held_out`. A source left with no conversation is an `InputError`."""
+    texts = [t for c in held_out for t in user_texts(c.messages)]
+    out = []
+    for source in loaded:
+        kept, dropped = exclude_eval_prompts(source.conversations, texts)
+        log.info("%s: %d conversations dropped because a user turn is a held-out prompt", source.source.name, dropped)
+        if not kept:
+            raise InputError(f"data source {source.source.name!r} has no conversation left beside the held-out set")
+        out.append(dataclasses.replace(source, conversations=kept, num_held_out=dropped))
+    return out

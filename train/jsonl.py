@@ -16,6 +16,14 @@ from hspec_jax.errors import InputError
 log = logging.getLogger(__name__)
 
 
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of JSON Lines text, split at "\\n" only: `str.splitlines` would also split at U+2028, U+2029 and
+    U+0085, which `json.dumps(..., ensure_ascii=False)` leaves unescaped inside strings (a final "\\n" ends the
+    last line, it does not start an empty one)."""
+    lines = text.split("\n")
+    return lines[:-1] if lines and lines[-1] == "" else lines
+
+
 class JsonlAppender:
     """`records` holds what the file already had; `append` adds complete lines durably."""
 
@@ -29,7 +37,7 @@ class JsonlAppender:
             with open(path, "rb") as f:
                 data = f.read()
             keep = data.rfind(b"\n") + 1
-            for number, line in enumerate(data[:keep].decode("utf-8").splitlines(), 1):
+            for number, line in enumerate(jsonl_lines(data[:keep].decode("utf-8")), 1):
                 try:
                     self.records.append(json.loads(line))
                 except json.JSONDecodeError as e:

@@ -42,11 +42,11 @@ from hspec_jax.errors import InputError, causes
 from hspec_jax.recipes import drafter_from_recipe
 from train.chat import user_texts
 from train.checks import check_recipe, record_recipe
-from train.data import load_mixture, source_fingerprint
-from train.losses import recipe_weights
+from train.data import Source, exclude_held_out, load_conversations, load_mixture, source_fingerprint
+from train.losses import loss_from_sums, recipe_weights
 from train.optim import make_optimizer
 from train.pipeline import BATCH_KEYS, make_train_iterator, sampled_token_counts
-from train.step import StepConfig, TrainState, make_train_step
+from train.step import StepConfig, TrainState, eval_sums_fn, make_train_step
 from train.targets import load_target_and_tokenizer
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class Run:
     mesh: jax.sharding.Mesh
     iterator: object
     held_out: list  # token ids of the held-out prompts (real tau)
+    held_out_batches: list  # fixed global batches of the held-out conversations (training-path metrics)
     data_report: dict
 
 
@@ -139,7 +140,7 @@ def file_sha256(location: str) -> str | None:
 
 def split_held_out(loaded, count: int):
     """(training sources, held-out conversations): the last `count` conversations of the first source are
-    kept out of training, for the periodic real-tau check."""
+    kept out of training (a recipe without a held-out file, `data.held_out`)."""
     if count <= 0:
         return loaded, []
     first = loaded[0]
@@ -155,9 +156,19 @@ def split_held_out(loaded, count: int):
 def load_data(config: ml_collections.ConfigDict):
     """(training sources, held-out conversations) of the recipe's data; the checks that need the data (a bad
     record, a source with no usable conversation, too few to hold out) raise here, before anything is written.
-    Conversations containing an evaluation prompt are dropped (`train.data.evaluation_texts`) unless disabled."""
+    Conversations containing an evaluation prompt are dropped (`train.data.evaluation_texts`) unless disabled;
+    with a held-out file (`data.held_out`), so are those sharing a user turn with it (`exclude_held_out`)."""
     loaded = load_mixture(config.data.sources, None if config.data.exclude_eval_prompts else [])
-    return split_held_out(loaded, config.data.held_out_prompts)
+    if not config.data.held_out:
+        return split_held_out(loaded, config.data.held_out_prompts)
+    held_out = load_conversations(Source("held_out", config.data.held_out))
+    needed = max(config.data.held_out_prompts, 1)
+    if len(held_out) < needed:
+        raise InputError(
+            f"--config.data.held_out {config.data.held_out!r} has {len(held_out)} usable conversations; it needs at "
+            f"least {needed} (--config.data.held_out_prompts={config.data.held_out_prompts})"
+        )
+    return exclude_held_out(loaded, held_out), held_out
 
 
 def check_before_work(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -193,7 +204,8 @@ def setup(config: ml_collections.ConfigDict, workdir: str, loaded, held_out_conv
     drafter = drafter_from_recipe(config, target=target).replace(param_dtype=jnp.float32)
     mesh = parallel.make_mesh(config.mesh)
     target_params = parallel.shard_params(target_params, mesh, target.head_dim)  # the one copy the job keeps
-    held_out = [chat_prompt_ids(tokenizer, user_texts(c.messages)[0]) for c in held_out_conversations]
+    tau_conversations = held_out_conversations[: config.data.held_out_prompts]
+    held_out = [chat_prompt_ids(tokenizer, user_texts(c.messages)[0]) for c in tau_conversations]
     given_vocab = warm_start_vocab(config.train.init_from, drafter) if config.train.init_from else None
     vocab, supervised = draft_vocabulary(workdir, loaded, tokenizer, target, drafter, config.data, given_vocab)
     iterator = make_train_iterator(
@@ -207,6 +219,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str, loaded, held_out_conv
         process_index=jax.process_index(),
         process_count=jax.process_count(),
     )
+    held_out_batches = fixed_batches(held_out_conversations, tokenizer, config, drafter.num_drafts + 1, mesh)
     report = {
         "sources": [
             {
@@ -215,16 +228,52 @@ def setup(config: ml_collections.ConfigDict, workdir: str, loaded, held_out_conv
                 "weight": s.source.weight,
                 "conversations": len(s.conversations),
                 "excluded_eval_prompts": s.num_excluded,
+                "excluded_held_out_prompts": s.num_held_out,
                 **source_fingerprint(s.source),
             }
             for s in loaded
         ],
         "held_out": [c.id for c in held_out_conversations],
+        "held_out_file": source_fingerprint(Source("held_out", config.data.held_out)) if config.data.held_out else None,
         "vocab_sample_supervised_tokens": int(supervised.sum()),
         "draft_vocab_coverage": float(supervised[np.asarray(vocab.d2t)].sum() / max(supervised.sum(), 1)),
         "init_from": config.train.init_from,
     }
-    return Run(config, workdir, target, target_params, tokenizer, drafter, vocab, mesh, iterator, held_out, report)
+    return Run(
+        config,
+        workdir,
+        target,
+        target_params,
+        tokenizer,
+        drafter,
+        vocab,
+        mesh,
+        iterator,
+        held_out,
+        held_out_batches,
+        report,
+    )
+
+
+def fixed_batches(conversations, tokenizer, config: ml_collections.ConfigDict, block_size: int, mesh) -> list:
+    """The first `data.held_out_batches` global batches (dicts of BATCH_KEYS arrays `[batch_size, ...]`, placed
+    on the mesh) of `conversations` packed and anchored like training data with `data.seed`: the same batches
+    at every evaluation and on resume. Conversations repeat only when the batches need more rows than they
+    fill; none without conversations."""
+    if not conversations:
+        return []
+    iterator = make_train_iterator(
+        conversations,
+        tokenizer,
+        seq_len=config.data.seq_len,
+        batch_size=config.train.batch_size,
+        max_anchors=config.data.max_anchors,
+        block_size=block_size,
+        seed=config.data.seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
+    return [global_batch(mesh, next(iterator)) for _ in range(config.data.held_out_batches)]
 
 
 def initial_params(run: Run, resuming: bool) -> dict:
@@ -247,13 +296,13 @@ def initial_state(run: Run, params: dict, optimizer) -> TrainState:
     return TrainState(jnp.int32(0), params, opt_state, jax.random.key_data(jax.random.key(run.config.train.seed)))
 
 
-def global_batch(run: Run, local: dict) -> dict:
+def global_batch(mesh: jax.sharding.Mesh, local: dict) -> dict:
     """This process's rows of a batch -> global arrays, batch split over data x fsdp."""
     out = {}
     for key in BATCH_KEYS:
         value = np.asarray(local[key])
         shape = (value.shape[0] * jax.process_count(), *value.shape[1:])
-        out[key] = jax.make_array_from_process_local_data(parallel.batch_sharding(run.mesh, shape), value, shape)
+        out[key] = jax.make_array_from_process_local_data(parallel.batch_sharding(mesh, shape), value, shape)
     return out
 
 
@@ -276,6 +325,15 @@ def real_tau(run: Run, params: dict) -> dict:
     )
     rates = gen.stats.acceptance_by_position()
     return {"tau": gen.stats.tau(), **{f"accept_{i + 1}": r for i, r in enumerate(rates) if r == r}}
+
+
+def held_out_metrics(run: Run, evaluate, params: dict, weights) -> dict:
+    """The training path's metrics (`train.losses.loss_from_sums`: loss terms, per-slot agreement `acc_k` and
+    acceptance probability `overlap_k`, simulated accept length) on the fixed held-out batches, no update,
+    pooled over all of them, each name prefixed `heldout_`. `evaluate`: `train.step.eval_sums_fn`."""
+    sums = [evaluate(params, run.target_params, run.vocab, batch) for batch in run.held_out_batches]
+    _, metrics = loss_from_sums(jax.tree.map(lambda *xs: sum(xs), *sums), weights)
+    return {f"heldout_{name}": value for name, value in scalars(metrics).items()}
 
 
 def host_params(params: dict) -> dict:
@@ -326,11 +384,11 @@ def _logged_step(line: str) -> int | None:
         return None
 
 
-EVAL_SCALARS = ("tau", "accept_")  # what `real_tau` measures with the engine on held-out prompts
+EVAL_SCALARS = ("tau", "accept_", "heldout_")  # `real_tau` (the engine) and `held_out_metrics` (training path)
 
 
 def scalar_tag(name: str) -> str:
-    """TensorBoard's tag of a logged value: `eval/` for the engine's held-out measurements, `train/` for the rest."""
+    """TensorBoard's tag of a logged value: `eval/` for the held-out measurements, `train/` for the rest."""
     return f"eval/{name}" if name.startswith(EVAL_SCALARS) else f"train/{name}"
 
 
@@ -488,6 +546,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     weights = recipe_weights(run.drafter.kind, tc.gamma, **tc.loss.to_dict())
     step_config = StepConfig(run.target, run.drafter, weights, tc.anchors_per_chunk)
     step_fn = make_train_step(step_config, optimizer, schedule, run.mesh)
+    evaluate = eval_sums_fn(step_config)
     metrics_log = MetricsLog(workdir, start)
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "data.json"), "w") as f:
@@ -499,7 +558,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         bar = tqdm(total=tc.num_steps, initial=start, desc="train", disable=jax.process_index() != 0)
         for step in range(start + 1, tc.num_steps + 1):
             local = next(run.iterator)
-            state, metrics = step_fn(state, run.target_params, run.vocab, global_batch(run, local))
+            state, metrics = step_fn(state, run.target_params, run.vocab, global_batch(run.mesh, local))
             done = step
             tokens_done += int(np.sum(np.asarray(local["doc_ids"]) >= 0)) * jax.process_count()
             if step % tc.log_every == 0 or step == tc.num_steps:
@@ -507,9 +566,12 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 elapsed = time.perf_counter() - clock
                 last["tokens_per_s"] = tokens_done / elapsed
                 tokens_done, clock = 0, time.perf_counter()
-                if tc.eval_every and (step % tc.eval_every == 0 or step == tc.num_steps) and run.held_out:
-                    last.update(real_tau(run, state.params))
-                    clock = time.perf_counter()  # the tau check is not training time
+                if tc.eval_every and (step % tc.eval_every == 0 or step == tc.num_steps):
+                    if run.held_out_batches:
+                        last.update(held_out_metrics(run, evaluate, state.params, weights))
+                    if run.held_out:
+                        last.update(real_tau(run, state.params))
+                    clock = time.perf_counter()  # evaluation is not training time
                 metrics_log.write(step, last)
                 bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
             bar.update(1)

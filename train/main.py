@@ -17,8 +17,9 @@ The work directory holds:
     vocab.npz         the draft vocabulary (top tokens of a sample of the supervised training tokens), fixed at
                       the start
     damaged/          checkpoints found damaged on resume, moved here (with a warning) and never deleted
-    data.json         the data recipe: sources, conversations, excluded evaluation prompts, tokens
-    metrics.jsonl     one line per logged step (loss terms, per-slot accuracy, lr, grad norm, tokens/s, tau)
+    data.json         the data recipe: sources, conversations, excluded evaluation and held-out prompts, tokens
+    metrics.jsonl     one line per logged step (loss terms, per-slot accuracy, lr, grad norm, tokens/s; at
+                      evaluation steps the held-out `heldout_*` metrics and the real tau)
     events.*          TensorBoard event files with the same scalars
     drafter/          the latest drafter, loadable by `eval.generate --drafter DIR/drafter` (rewritten at every
                       checkpoint and at the end)

@@ -142,12 +142,17 @@ def chunked(anchors: jax.Array, valid: jax.Array, per_chunk: int):
     return split(anchors), split(valid)
 
 
+def batch_sums(params, target_params, vocab, config: StepConfig, batch, features) -> dict:
+    """The loss statistics (`slot_sums`) of every block of a batch, chunk by chunk (rematerialised), added up."""
+    body = jax.checkpoint(lambda xs: chunk_sums(params, target_params, vocab, config, batch, features, *xs))
+    sums = jax.lax.map(body, chunked(batch["anchors"], batch["anchor_valid"], config.anchors_per_chunk))
+    return jax.tree.map(lambda x: x.sum(0), sums)
+
+
 def loss_fn(params, target_params, vocab, config: StepConfig, batch, features, trainable):
     """(loss, metrics) of a batch, pooled over all its rows; parameters outside `trainable` get no gradient."""
     params = jax.tree.map(lambda p, train: p if train else jax.lax.stop_gradient(p), params, trainable)
-    body = jax.checkpoint(lambda xs: chunk_sums(params, target_params, vocab, config, batch, features, *xs))
-    sums = jax.lax.map(body, chunked(batch["anchors"], batch["anchor_valid"], config.anchors_per_chunk))
-    return loss_from_sums(jax.tree.map(lambda x: x.sum(0), sums), config.weights)
+    return loss_from_sums(batch_sums(params, target_params, vocab, config, batch, features), config.weights)
 
 
 def _batch_place(mesh, x):
@@ -178,12 +183,24 @@ def make_train_step(config: StepConfig, optimizer: optax.GradientTransformation,
     return jax.jit(step, donate_argnums=(0,))
 
 
+def evaluate_sums(params, target_params, vocab, config: StepConfig, batch) -> dict:
+    """The loss statistics (`slot_sums`) of a batch on the training path, without an update: add them over many
+    batches, then `loss_from_sums` gives the pooled metrics (what `eval_loss_fn` gives for one batch)."""
+    features = target_features(target_params, config, batch["tokens"], batch["positions"])
+    return batch_sums(params, target_params, vocab, config, batch, features)
+
+
+def eval_sums_fn(config: StepConfig):
+    """A jitted `(params, target_params, vocab, batch) -> evaluate_sums(...)`."""
+    return jax.jit(
+        lambda params, target_params, vocab, batch: evaluate_sums(params, target_params, vocab, config, batch)
+    )
+
+
 def eval_loss_fn(config: StepConfig):
     """A jitted `(params, target_params, vocab, batch) -> metrics` without an update (held-out loss)."""
 
     def evaluate(params, target_params, vocab, batch):
-        features = target_features(target_params, config, batch["tokens"], batch["positions"])
-        mask = trainable_mask(params, config.drafter)
-        return loss_fn(params, target_params, vocab, config, batch, features, mask)[1]
+        return loss_from_sums(evaluate_sums(params, target_params, vocab, config, batch), config.weights)[1]
 
     return jax.jit(evaluate)
