@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 
@@ -521,6 +522,28 @@ def restore_latest(workdir: str, manager: ocp.CheckpointManager, run: Run, state
     return manager, state, 0
 
 
+def stop_after_ctrl_c(steps):
+    """Yield `steps`, ending with a `KeyboardInterrupt` after the step during which Ctrl-C was pressed, so that no
+    checkpoint, export or metrics write is cut in the middle (an interrupt inside Orbax's writer left its threads
+    failing at exit); a second Ctrl-C stops at once. The usual handler is back when the loop ends."""
+    pressed = []
+
+    def handle(signum, frame):
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(signum)
+        print("\nstopping after this step (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, handle)
+    try:
+        for step in steps:
+            yield step
+            if pressed:
+                raise KeyboardInterrupt
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """The whole job; returns the last logged metrics (and the last real tau when measured). Checks the recipe
     before any work and the data before anything is written; a Ctrl-C stops it with a `KeyboardInterrupt` whose
@@ -556,7 +579,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     done, bar = start, None
     try:
         bar = tqdm(total=tc.num_steps, initial=start, desc="train", disable=jax.process_index() != 0)
-        for step in range(start + 1, tc.num_steps + 1):
+        for step in stop_after_ctrl_c(range(start + 1, tc.num_steps + 1)):
             local = next(run.iterator)
             state, metrics = step_fn(state, run.target_params, run.vocab, global_batch(run.mesh, local))
             done = step
