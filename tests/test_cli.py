@@ -60,7 +60,7 @@ def test_generate_compares_the_shipped_drafter_with_plain_decoding(capsys):
     args = ["--target", "smollm2", "--drafter", "smollm2-hspec", "--k", "3", "--compare", "--repeats", "1"]
     assert cli.run(generate.main, ["--max-new-tokens", "16", "--prompt", "What is the capital of France?", *args]) == 0
     out = capsys.readouterr().out
-    plain_part, spec_part = out.split("== draft-and-verify with smollm2-hspec\n")
+    plain_part, spec_part = out.split("== draft-and-verify with smollm2-hspec, k=3\n")
     assert plain_part.startswith("== plain decoding\n")
     plain_text = plain_part.removeprefix("== plain decoding\n")
     plain_text = plain_text[: PREFILL_LINE.search(plain_text).start()].strip()
