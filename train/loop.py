@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -128,17 +127,6 @@ def draft_vocabulary(
     return vocab, counts
 
 
-def file_sha256(location: str) -> str | None:
-    """sha256 of a local data file (None for the packaged ShareGPT set and hub datasets)."""
-    if not os.path.isfile(location):
-        return None
-    digest = hashlib.sha256()
-    with open(location, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def split_held_out(loaded, count: int):
     """(training sources, held-out conversations): the last `count` conversations of the first source are
     kept out of training (a recipe without a held-out file, `data.held_out`)."""
@@ -209,17 +197,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str, loaded, held_out_conv
     held_out = [chat_prompt_ids(tokenizer, user_texts(c.messages)[0]) for c in tau_conversations]
     given_vocab = warm_start_vocab(config.train.init_from, drafter) if config.train.init_from else None
     vocab, supervised = draft_vocabulary(workdir, loaded, tokenizer, target, drafter, config.data, given_vocab)
-    iterator = make_train_iterator(
-        loaded,
-        tokenizer,
-        seq_len=config.data.seq_len,
-        batch_size=config.train.batch_size,
-        max_anchors=config.data.max_anchors,
-        block_size=drafter.num_drafts + 1,  # anchor + k drafted tokens (any block layout)
-        seed=config.data.seed,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-    )
+    iterator = recipe_iterator(loaded, tokenizer, config, drafter.num_drafts + 1)  # anchor + k drafted tokens
     held_out_batches = fixed_batches(held_out_conversations, tokenizer, config, drafter.num_drafts + 1, mesh)
     report = {
         "sources": [
@@ -256,15 +234,11 @@ def setup(config: ml_collections.ConfigDict, workdir: str, loaded, held_out_conv
     )
 
 
-def fixed_batches(conversations, tokenizer, config: ml_collections.ConfigDict, block_size: int, mesh) -> list:
-    """The first `data.held_out_batches` global batches (dicts of BATCH_KEYS arrays `[batch_size, ...]`, placed
-    on the mesh) of `conversations` packed and anchored like training data with `data.seed`: the same batches
-    at every evaluation and on resume. Conversations repeat only when the batches need more rows than they
-    fill; none without conversations."""
-    if not conversations:
-        return []
-    iterator = make_train_iterator(
-        conversations,
+def recipe_iterator(data, tokenizer, config: ml_collections.ConfigDict, block_size: int):
+    """This process's packed, anchored batches of `data` as the recipe sets them (`data.seq_len`, `max_anchors`,
+    `seed`, `train.batch_size`): the training stream and the held-out batches are packed the same way."""
+    return make_train_iterator(
+        data,
         tokenizer,
         seq_len=config.data.seq_len,
         batch_size=config.train.batch_size,
@@ -274,6 +248,16 @@ def fixed_batches(conversations, tokenizer, config: ml_collections.ConfigDict, b
         process_index=jax.process_index(),
         process_count=jax.process_count(),
     )
+
+
+def fixed_batches(conversations, tokenizer, config: ml_collections.ConfigDict, block_size: int, mesh) -> list:
+    """The first `data.held_out_batches` global batches (dicts of BATCH_KEYS arrays `[batch_size, ...]`, placed
+    on the mesh) of `conversations` packed and anchored like training data with `data.seed`: the same batches
+    at every evaluation and on resume. Conversations repeat only when the batches need more rows than they
+    fill; none without conversations."""
+    if not conversations:
+        return []
+    iterator = recipe_iterator(conversations, tokenizer, config, block_size)
     return [global_batch(mesh, next(iterator)) for _ in range(config.data.held_out_batches)]
 
 
