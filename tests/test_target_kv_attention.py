@@ -12,8 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import hspec_jax.kernels.target_kv_attention as tkv
-from hspec_jax.kernels.target_kv_attention import KernelSettings, pallas_attention, reference, target_kv_attention
+from hspec_jax.kernels.target_kv_attention import (
+    KernelSettings,
+    dispatch,
+    pallas_attention,
+    reference,
+    target_kv_attention,
+)
 
 
 def random_inputs(seed, batch=3, blocks=1, t=8, heads=6, kv_heads=2, head_dim=16, rows=40):
@@ -131,13 +136,13 @@ def test_kernel_gradients_equal_the_reference():
 def test_auto_runs_the_kernel_only_where_verified(monkeypatch, caplog):
     q, k_blk, v_blk, k_ctx, v_ctx = random_inputs(5)
     anchors = jnp.array([[10], [25], [3]])
-    monkeypatch.setattr(tkv, "_logged_choices", set())
-    with caplog.at_level(logging.INFO, logger=tkv.__name__):
-        assert tkv.auto_impl("cpu") == "reference"  # nothing verified yet
+    monkeypatch.setattr(dispatch, "_logged_choices", set())
+    with caplog.at_level(logging.INFO, logger=dispatch.__name__):
+        assert dispatch.auto_impl("cpu") == "reference"  # nothing verified yet
         auto = target_kv_attention(q, k_blk, v_blk, k_ctx, v_ctx, anchors, window=8)
-        monkeypatch.setattr(tkv, "VERIFIED_PLATFORMS", {"cpu"})
-        assert tkv.auto_impl("cpu") == "pallas"
-        assert tkv.auto_impl("cpu") == "pallas"
+        monkeypatch.setattr(dispatch, "VERIFIED_PLATFORMS", {"cpu"})
+        assert dispatch.auto_impl("cpu") == "pallas"
+        assert dispatch.auto_impl("cpu") == "pallas"
     assert [r.getMessage().split(": ")[1].split(" ")[0] for r in caplog.records] == ["reference", "pallas"]
     np.testing.assert_array_equal(
         np.asarray(auto), np.asarray(reference(q, k_blk, v_blk, k_ctx, v_ctx, anchors, window=8))
