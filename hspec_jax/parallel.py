@@ -2,17 +2,18 @@
 
 A mesh has three axes: `data` (batch), `fsdp` (batch, and in training the drafter's parameters and
 optimiser state: fully sharded data parallelism) and `model` (tensor parallelism). Parameters are sharded by
-logical axis, found from their path in the param dict:
+logical axis, found from their path in the param dict (`PARAM_RULES`):
 
     vocab  -> model         embedding / lm_head rows, Markov head vocabulary axes
     heads  -> model         q/k/v output features and o_proj input features (whole heads per shard)
     mlp    -> model         the SwiGLU intermediate width
     batch  -> data x fsdp   prompts, packed training rows, KV caches, per-sequence lengths
 
-Everything else (norms, Mamba mixers, fusion projections) is replicated, except that with `fsdp=True`
-(`param_shardings`, the trained drafter) each parameter's largest remaining dimension that the fsdp axis
-divides is split over it. A dimension that the mesh axis does not divide (e.g. 3 KV heads on model=2) is
-replicated rather than split unevenly. The jitted
+Parameters replicated on purpose (norms, output biases, Mamba mixers, fusion projections, heads' small
+layers) are named in `REPLICATED_PARAMS`; a parameter in neither table is an error naming its path, so a new
+parameter cannot silently end up replicated. With `fsdp=True` (`param_shardings`, the trained drafter) each
+parameter's largest remaining dimension that the fsdp axis divides is split over it. A dimension that the
+mesh axis does not divide (e.g. 3 KV heads on model=2) is replicated rather than split unevenly. The jitted
 decoding loops need no changes: inputs placed with these shardings make XLA partition the whole loop,
 inserting the collectives. On one device every spec is trivially replicated.
 
@@ -33,17 +34,33 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 AXES = ("data", "fsdp", "model")
 LOGICAL_TO_MESH = {"batch": ("data", "fsdp"), "vocab": ("model",), "heads": ("model",), "mlp": ("model",)}
-# (path regex, logical axis of each dimension). First match wins; no match = replicated.
+# (path regex, logical axis of each dimension) of the sharded parameters. First match wins.
 PARAM_RULES = (
-    (r"embed_tokens/embedding$", ("vocab", None)),
+    (r"(^|/)embed_tokens/embedding$", ("vocab", None)),
     (r"(^|/)lm_head$", ("vocab", None)),
     (r"self_attn/[qkv]_proj/kernel$", (None, "heads")),
     (r"self_attn/[qkv]_proj/bias$", ("heads",)),
     (r"self_attn/o_proj/kernel$", ("heads", None)),
     (r"mlp/(gate|up)_proj/kernel$", (None, "mlp")),
+    (r"mlp/(gate|up)_proj/bias$", ("mlp",)),
     (r"mlp/down_proj/kernel$", ("mlp", None)),
     (r"markov_head/markov_w1$", ("vocab", None)),
     (r"markov_head/markov_w2$", (None, "vocab")),
+)
+# (path regex, why) of the parameters replicated on purpose: every dimension on no mesh axis.
+REPLICATED_PARAMS = (
+    (
+        r"(^|/)(input_layernorm|post_attention_layernorm|norm|q_norm|k_norm|hidden_norm|ssm_norm|mlp_norm)/scale$",
+        "RMSNorm scales [D] or [H]: layer, final, q/k, fusion (hidden) and drafter sub-layer norms",
+    ),
+    (r"self_attn/o_proj/bias$", "o_proj bias [D]: the model dimension is not sharded"),
+    (r"mlp/down_proj/bias$", "down_proj bias [D]: the model dimension is not sharded"),
+    (r"ssm/(in_proj|out_proj|conv1d)/(kernel|bias)$", "Mamba-2 mixer projections and conv: not tensor-parallel"),
+    (r"ssm/(A_log|D|dt_bias|norm)$", "Mamba-2 per-head decays, skip, dt bias and gated-norm scale: small vectors"),
+    (r"(^|/)fc/kernel$", "drafter fusion projection [F*D, D]: not tensor-parallel"),
+    (r"(^|/)seed_projs_\d+/kernel$", "H-Spec seed projections [D, D]: not tensor-parallel"),
+    (r"confidence_head/proj/(kernel|bias)$", "confidence head [D, 1] and its bias: tiny"),
+    (r"^mask_embedding$", "the drafter's mask-token embedding row [D]"),
 )
 
 
@@ -73,11 +90,23 @@ def _path(key_path) -> str:
     return "/".join(str(getattr(k, "key", k)) for k in key_path)
 
 
-def logical_axes(path: str, ndim: int) -> tuple:
+def logical_axes(path: str, shape) -> tuple:
+    """The logical axis of each dimension of the parameter at `path` (e.g. 'layers_0/self_attn/q_proj/kernel')
+    of `shape`: from `PARAM_RULES`, or all None for `REPLICATED_PARAMS`. A parameter in neither, or whose rank
+    is not its rule's, is a ValueError naming it."""
     for pattern, axes in PARAM_RULES:
-        if re.search(pattern, path) and len(axes) == ndim:
+        if re.search(pattern, path):
+            if len(axes) != len(shape):
+                raise ValueError(f"parameter {path!r} of shape {tuple(shape)} does not fit its sharding rule {axes}")
             return axes
-    return (None,) * ndim
+    if any(re.search(pattern, path) for pattern, _ in REPLICATED_PARAMS):
+        return (None,) * len(shape)
+    rules = "\n".join(f"  {pattern}  {axes}" for pattern, axes in PARAM_RULES)
+    replicated = "\n".join(f"  {pattern}  ({why})" for pattern, why in REPLICATED_PARAMS)
+    raise ValueError(
+        f"no sharding rule for parameter {path!r} of shape {tuple(shape)}: add it to PARAM_RULES or "
+        f"REPLICATED_PARAMS in hspec_jax/parallel.py.\nPARAM_RULES:\n{rules}\nREPLICATED_PARAMS:\n{replicated}"
+    )
 
 
 def spec_for(mesh: Mesh, shape, axes, granule: dict[str, int] | None = None) -> PartitionSpec:
@@ -104,11 +133,12 @@ def with_fsdp(mesh: Mesh, shape, spec: PartitionSpec) -> PartitionSpec:
 
 
 def param_shardings(params, mesh: Mesh, head_dim: int, fsdp: bool = False):
-    """NamedSharding for every parameter (see the module docstring for the rules)."""
+    """NamedSharding for every parameter (see the module docstring for the rules); a parameter no rule covers
+    is a ValueError naming its path (`logical_axes`)."""
     granule = {"heads": head_dim}
 
     def sharding(key_path, x):
-        spec = spec_for(mesh, x.shape, logical_axes(_path(key_path), x.ndim), granule)
+        spec = spec_for(mesh, x.shape, logical_axes(_path(key_path), x.shape), granule)
         return NamedSharding(mesh, with_fsdp(mesh, x.shape, spec) if fsdp else spec)
 
     return jax.tree_util.tree_map_with_path(sharding, params)
