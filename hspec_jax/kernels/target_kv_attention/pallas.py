@@ -20,7 +20,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import tpu as pltpu
 
 from hspec_jax.kernels.target_kv_attention.gpu import gpu_context_attention, gpu_rows
 from hspec_jax.kernels.target_kv_attention.reference import reference, visible_range
@@ -111,12 +110,9 @@ def _kernel_forward(
             edge_out, edge_lse = _window_edge_part(q_rows, k_ctx, v_ctx, anchors, doc_starts, window, t, g)
             parts = (jnp.stack([out, edge_out], axis=2), jnp.stack([lse, edge_lse], axis=2))
             out, lse = _combine(*parts), jnp.logaddexp(lse, edge_lse)
-        if settings.variant == "gpu":
-            attend, interpret = gpu_context_attention, settings.interpret
-        else:
-            attend, interpret = tpu_context_attention, pltpu.InterpretParams() if settings.interpret else False
+        attend = gpu_context_attention if settings.variant == "gpu" else tpu_context_attention
         outs, lses = attend(
-            q_rows, k_ctx, v_ctx, lo, hi, chunk=settings.chunk, splits=settings.splits, interpret=interpret
+            q_rows, k_ctx, v_ctx, lo, hi, chunk=settings.chunk, splits=settings.splits, interpret=settings.interpret
         )
         out = _combine(
             jnp.concatenate([outs, out[:, :, None]], axis=2), jnp.concatenate([lses[..., 0], lse[:, :, None]], axis=2)

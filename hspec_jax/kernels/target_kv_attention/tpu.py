@@ -95,7 +95,8 @@ def _tpu_kernel(
 
 
 def tpu_context_attention(q_rows, k_ctx, v_ctx, lo, hi, *, chunk: int | None = None, splits=None, interpret=False):
-    """TPU variant of the context part, same contract as `gpu.gpu_context_attention`.
+    """TPU variant of the context part, same contract as `gpu.gpu_context_attention` (`interpret`: on CPU,
+    through the TPU interpret mode, `pltpu.InterpretParams`).
 
     Block-shape rules (Mosaic: the last two dims of every block divisible by (8, 128) or equal to the array's):
     the cache is viewed as `[B, S, K*H]` (a free reshape, no copy) and tiled `[C, hb*H]`, with hb =
@@ -150,7 +151,7 @@ def tpu_context_attention(q_rows, k_ctx, v_ctx, lo, hi, *, chunk: int | None = N
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "parallel", "arbitrary")
         ),
-        interpret=interpret,
+        interpret=pltpu.InterpretParams() if interpret else False,
         name="target_kv_attention_tpu",
     )(lo.reshape(-1), hi.reshape(-1), _block_diagonal(q_rows, heads), k_ctx.reshape(b, s, -1), v_ctx.reshape(b, s, -1))
     lses = lses[..., :1].reshape(b, a, splits, kv_heads, r, 1)
