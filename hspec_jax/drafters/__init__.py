@@ -1,15 +1,16 @@
 """Drafters: H-Spec (Mamba-2 + target-KV attention hybrid), DFlash, DSpark, and the paper's variants."""
 
 from hspec_jax.drafters.api import draft_block, draft_blocks, drafter_module, init_drafter, init_from_target
-from hspec_jax.drafters.config import (
-    DRAFTER_KINDS,
-    PAPER_BLOCK_PATTERN,
-    DFlashConfig,
-    DrafterConfig,
-    HSpecConfig,
-    drafter_config,
-)
+from hspec_jax.drafters.config import PAPER_BLOCK_PATTERN, DFlashConfig, DrafterConfig, HSpecConfig, drafter_config
 from hspec_jax.drafters.dflash import DFlash, empty_context
+from hspec_jax.drafters.family import (
+    DRAFTER_KINDS,
+    DrafterFamily,
+    DrafterKind,
+    drafter_kind,
+    register_family,
+    register_kind,
+)
 from hspec_jax.drafters.heads import Proposal, propose
 from hspec_jax.drafters.hspec import HSpec
 from hspec_jax.drafters.inputs import DraftInputs
@@ -26,6 +27,8 @@ __all__ = [
     "DraftOutput",
     "DraftVocab",
     "DrafterConfig",
+    "DrafterFamily",
+    "DrafterKind",
     "HSpec",
     "HSpecConfig",
     "MambaConfig",
@@ -35,10 +38,13 @@ __all__ = [
     "draft_blocks",
     "draft_vocab_from_counts",
     "drafter_config",
+    "drafter_kind",
     "drafter_module",
     "empty_context",
     "full_vocab",
     "init_drafter",
     "init_from_target",
     "propose",
+    "register_family",
+    "register_kind",
 ]
