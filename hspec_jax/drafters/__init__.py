@@ -1,5 +1,7 @@
 """Drafters: H-Spec (Mamba-2 + target-KV attention hybrid), DFlash, DSpark, and the paper's variants."""
 
+# The built-in families register their kinds on import, H-Spec first: tables list kinds in registration order.
+from hspec_jax.drafters import hspec  # noqa: F401
 from hspec_jax.drafters.api import draft_block, draft_blocks, drafter_module, init_drafter, init_from_target
 from hspec_jax.drafters.config import PAPER_BLOCK_PATTERN, DFlashConfig, DrafterConfig, HSpecConfig, drafter_config
 from hspec_jax.drafters.dflash import DFlash, empty_context
