@@ -18,7 +18,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from hspec_jax.drafters.config import DFlashConfig
+from hspec_jax.drafters.config import DFlashConfig, DrafterConfig
 from hspec_jax.drafters.family import DrafterFamily, DrafterKind, register_family, register_kind
 from hspec_jax.drafters.heads import ConfidenceHead, MarkovHead
 from hspec_jax.drafters.inputs import DraftInputs
@@ -109,7 +109,7 @@ def inject_context(params: dict, config: DFlashConfig, context_kv, new_context: 
     return DFlash(config, inject_only=True).apply({"params": params}, None, inputs).context_kv
 
 
-def empty_context(config, batch: int, capacity: int, dtype=None) -> KVBuffers:
+def empty_context(config: DrafterConfig, batch: int, capacity: int, dtype=None) -> KVBuffers:
     """A zeroed drafter-side cache: per layer (`config.cache_layers`) k, v `[B, capacity, K, H]`."""
     shape = (batch, capacity, config.target.num_kv_heads, config.target.head_dim)
     dtype = dtype or config.compute_dtype
@@ -117,7 +117,7 @@ def empty_context(config, batch: int, capacity: int, dtype=None) -> KVBuffers:
     return KVBuffers(k=zeros(), v=zeros())
 
 
-def drafter_context(config, batch: int, capacity: int) -> KVBuffers | tuple:
+def drafter_context(config: DrafterConfig, batch: int, capacity: int) -> KVBuffers | tuple:
     """The drafter-side cache a drafter needs: `empty_context` for DFlash/DSpark, () for drafters without one."""
     return empty_context(config, batch, capacity) if config.owns_kv_cache else ()
 
@@ -134,7 +134,7 @@ def _plain(fields: dict, target) -> dict:
 
 
 def _target_kv(fields: dict, target) -> dict:
-    """ "DFlash + direct target-KV reuse": by default it reads the target layers of its fusion taps."""
+    """DFlash + direct target-KV reuse: each layer reads one target layer's cache, by default those of its taps."""
     taps, layers = fields["fusion_layer_ids"], fields.get("num_layers", 5)
     if "target_kv_layer_ids" not in fields and len(taps) < layers:
         raise ValueError(f"dflash_target_kv needs {layers} target layers: set target_kv_layer_ids")
@@ -165,7 +165,6 @@ FAMILY = register_family(
         "dflash",
         DFlashConfig,
         DFlash,
-        components={"fc": "fusion of target hidden states", "hidden_norm": "fusion of target hidden states"},
         mirrored_layers=mirrored_layers,
         inject=inject_context,
     )

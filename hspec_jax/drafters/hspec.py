@@ -88,11 +88,7 @@ FAMILY = register_family(
         "hspec",
         HSpecConfig,
         HSpec,
-        components={
-            "fc": "fusion of target hidden states",
-            "hidden_norm": "fusion of target hidden states",
-            "seed_projs": "ssm seed projection",
-        },
+        components={"seed_projs": "ssm seed projection"},
         nested={"mamba": MambaConfig},
         mirrored_layers=mirrored_layers,
     )

@@ -41,8 +41,11 @@ _SUBLAYER_COMPONENTS = {
     "ssm": "mamba-2 mixers",
     "ssm_norm": "mamba-2 mixers",
 }
-# The output stage every family shares (`output.py`, `heads.py`); each family adds its own (`DrafterFamily.components`).
+# The pieces several families share (tap fusion, the output stage of `output.py` and `heads.py`); each family adds
+# its own (`DrafterFamily.components`).
 _COMMON_COMPONENTS = {
+    "fc": "fusion of target hidden states",
+    "hidden_norm": "fusion of target hidden states",
     "norm": "final norm",
     "lm_head": "draft lm_head",
     "mask_embedding": "mask embedding",
