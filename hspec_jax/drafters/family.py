@@ -32,7 +32,7 @@ class DrafterFamily:
     """What one drafter architecture is.
 
     * `name`: saved in drafter checkpoints (`checkpoints.drafter_io`);
-    * `config`: its frozen config class (a `DrafterCommon` subclass with a `kind` attribute);
+    * `config`: its frozen config class (a `DrafterConfig` subclass naming its `kind`);
     * `module`: `module(config)` is a Linen module, `module(config).apply({"params": p}, embeds [B, A, T, D],
       inputs: DraftInputs) -> DraftOutput [B, A, T, ...]` (`draft_blocks`);
     * `components`: its own top-level parameter names -> component (for `drafters.params`), beyond the ones
