@@ -1,6 +1,6 @@
 """The drafter registry: a family defined here, outside the library, registers with one line and then builds,
 initialises, drafts, counts its parameters, gets its loss recipe and saves its config through the same entry
-points as the built-in families."""
+points as the built-in families (and is told plainly that the speculators format cannot express it)."""
 
 import dataclasses
 import importlib
@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from hspec_jax.checkpoints.drafter_io import config_from_dict, config_to_dict
+from hspec_jax.checkpoints.hf import CheckpointError
+from hspec_jax.checkpoints.speculators import speculators_config
 from hspec_jax.drafters import (
     DRAFTER_KINDS,
     DrafterConfig,
@@ -102,6 +104,8 @@ def test_a_family_registered_outside_the_library_works_end_to_end(toy):
 
     assert recipe_weights("toy") == LossWeights(0.1, 0.0, 1.0, 4.0)
     assert config_from_dict(config_to_dict(config), TARGET) == config
+    with pytest.raises(CheckpointError, match="'toy' drafter family has no speculators format"):
+        speculators_config(config, None)
 
 
 def test_a_parameter_without_a_component_is_an_error_naming_it(toy):
