@@ -170,7 +170,8 @@ FAMILY = register_family(
     )
 )
 CE_ONLY = {"ce": 1.0, "tv": 0.0, "confidence": 0.0}  # DFlash's recipe: cross-entropy alone
-register_kind(DrafterKind("dflash", FAMILY, _plain, loss=CE_ONLY, compared=True))
+# DSpark before DFlash: comparison tables read H-Spec, then the baseline closest to it, then plain DFlash.
 register_kind(DrafterKind("dspark", FAMILY, _markov(anchored=True), compared=True))
+register_kind(DrafterKind("dflash", FAMILY, _plain, loss=CE_ONLY, compared=True))
 register_kind(DrafterKind("dflash_markov", FAMILY, _markov(anchored=False)))
 register_kind(DrafterKind("dflash_target_kv", FAMILY, _target_kv, loss=CE_ONLY))
