@@ -27,11 +27,12 @@ from hspec_jax.decoding import SamplingConfig
 from hspec_jax.drafters import draft_block, full_vocab, init_drafter, propose
 from hspec_jax.drafters.api import mirrored_target_layers
 from hspec_jax.drafters.dflash import drafter_context
+from hspec_jax.drafters.family import compared_kinds
 from hspec_jax.drafters.mamba2 import SCAN_IMPLS, ssd
 from hspec_jax.models.kv_cache import KVCache
 from hspec_jax.recipes import drafter_from_recipe, load_config, target_config
 
-KINDS = ("hspec", "dflash", "dspark")
+KINDS = compared_kinds()
 
 
 def drafter_step_fn(config):

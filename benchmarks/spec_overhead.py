@@ -26,11 +26,12 @@ from hspec_jax.checkpoints import load_target, load_tokenizer
 from hspec_jax.decoding import SamplingConfig, chat_prompt_ids, pad_batch
 from hspec_jax.drafters import draft_block, init_drafter, init_from_target, propose
 from hspec_jax.drafters.dflash import drafter_context
+from hspec_jax.drafters.family import compared_kinds
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.models import forward, init_cache
 from hspec_jax.recipes import drafter_from_recipe, load_config
 
-KINDS = ("hspec", "dspark", "dflash")
+KINDS = compared_kinds()
 GREEDY = SamplingConfig()
 
 

@@ -332,9 +332,8 @@ def method_meta(method: Method, target_config, kv_peak_rows: int) -> dict:
     if method.drafter is None:
         return {"name": method.name, "kind": "plain", "k": 0, "kv_bytes_per_token": 0, "kv_bytes_peak": 0}
     config = method.drafter[0]
-    layers = config.num_layers if config.owns_kv_cache else 0
     itemsize = jnp.dtype(config.compute_dtype).itemsize
-    per_token = kv_bytes_per_token(layers, target_config.num_kv_heads, target_config.head_dim, itemsize)
+    per_token = kv_bytes_per_token(config.cache_layers, target_config.num_kv_heads, target_config.head_dim, itemsize)
     return {
         "name": method.name,
         "kind": config.kind,

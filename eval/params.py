@@ -14,10 +14,11 @@ import jax
 
 from hspec_jax.cli import ArgumentParser, run
 from hspec_jax.drafters import init_drafter
+from hspec_jax.drafters.family import compared_kinds
 from hspec_jax.drafters.params import count_by_component
 from hspec_jax.recipes import drafter_from_recipe, load_config, target_config
 
-KINDS = ("hspec", "dspark", "dflash")
+KINDS = compared_kinds()
 
 
 def parameter_table(recipe) -> tuple[list[str], dict[str, int]]:

@@ -14,7 +14,7 @@ import os
 
 import ml_collections
 
-from hspec_jax.drafters import PAPER_BLOCK_PATTERN, DrafterConfig, MambaConfig, drafter_config
+from hspec_jax.drafters import PAPER_BLOCK_PATTERN, DrafterConfig, drafter_config
 from hspec_jax.errors import InputError
 from hspec_jax.models import TargetConfig
 
@@ -136,10 +136,8 @@ def drafter_from_recipe(
     fields = c.drafter.to_dict()
     kind = kind or fields.pop("kind")
     fields.pop("kind", None)
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
     try:
-        fields["mamba"] = MambaConfig(**fields["mamba"])
-        for key in ("fusion_layer_ids", "attn_kv_layer_ids", "block_pattern"):
-            fields[key] = tuple(fields[key])
         return drafter_config(kind, target, **fields)
     except (ValueError, TypeError, KeyError) as e:
         raise InputError(f"recipe {c.target.name!r}: {kind} drafter: {e}") from None

@@ -80,7 +80,7 @@ def warm_start_vocab(spec: str, drafter: DrafterConfig) -> DraftVocab:
         raise InputError(f"--config.train.init_from={spec!r}: {e}") from None
     ours, theirs = config_to_dict(drafter)["fields"], config_to_dict(config)["fields"]
     differ = sorted(k for k in ours if k not in ("dtype", "param_dtype") and ours[k] != theirs[k])
-    if config.family is not drafter.family or differ:
+    if type(config) is not type(drafter) or differ:
         fields = ", ".join(f"{k}={theirs[k]!r} (recipe: {ours[k]!r})" for k in differ) or "the drafter kind"
         raise InputError(f"--config.train.init_from={spec!r} does not match the recipe's drafter: {fields}")
     return vocab

@@ -9,7 +9,8 @@ The loss (H-Spec, DSpark; DESIGN.md section 5 and the reference notes, section 2
     0.1 * CE(draft, argmax of the target inside the draft vocabulary)
   + 0.9 * TV = 1 - sum_v min(p_draft, p_target)       (target restricted to the draft vocabulary, renormalised)
   + 1.0 * BCE(confidence logit, sum_v min(p_draft, p_target))   (no gradient through the BCE target)
-`p_draft` is the distribution after the Markov bias. DFlash's recipe uses CE alone (weights from the config).
+`p_draft` is the distribution after the Markov bias. DFlash's recipe uses CE alone (each kind's weights:
+`DrafterKind.loss`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from hspec_jax.drafters.family import drafter_kind
 
 DENOMINATOR_EPS = 1e-5
 
@@ -129,13 +132,10 @@ def drafter_loss(
     return loss_from_sums(sums, weights)
 
 
-CE_ONLY_KINDS = ("dflash", "dflash_target_kv")  # DFlash's recipe: cross-entropy alone
-
-
 def recipe_weights(kind: str, gamma: float = 4.0, **overrides: float | None) -> LossWeights:
-    """The loss weights of a drafter kind's recipe, with explicit `ce` / `tv` / `confidence` overrides
-    (None = keep the recipe's)."""
-    base = LossWeights(1.0, 0.0, 0.0, gamma) if kind in CE_ONLY_KINDS else LossWeights(gamma=gamma)
+    """The loss weights of a drafter kind's recipe (`DrafterKind.loss` over the default `LossWeights`), with
+    explicit `ce` / `tv` / `confidence` overrides (None = keep the recipe's)."""
+    base = LossWeights(gamma=gamma)._replace(**drafter_kind(kind).loss)
     unknown = sorted(set(overrides) - {"ce", "tv", "confidence"})
     if unknown:
         raise ValueError(f"unknown loss weight(s) {unknown}; known: ce, tv, confidence")

@@ -38,8 +38,8 @@ from hspec_jax.checkpoints.hf import (
 )
 from hspec_jax.checkpoints.orbax_io import read_manifest
 from hspec_jax.drafters.api import init_drafter
-from hspec_jax.drafters.config import FAMILIES, DrafterConfig, check_target
-from hspec_jax.drafters.mamba2 import MambaConfig
+from hspec_jax.drafters.config import DrafterConfig, check_target
+from hspec_jax.drafters.family import drafter_family, family_of
 from hspec_jax.drafters.vocab import DraftVocab, draft_rows, vocab_from_ids
 from hspec_jax.models.config import TargetConfig
 from hspec_jax.models.decoder import lm_head_matrix
@@ -50,32 +50,36 @@ FORMAT = "hspec-jax-drafter"
 
 
 def config_to_dict(config: DrafterConfig) -> dict:
+    family = family_of(config)
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     fields["target"] = config.target.to_hf()
-    if fields.get("mamba") is not None:
-        fields["mamba"] = dataclasses.asdict(fields["mamba"])
+    for key in family.nested:
+        if fields[key] is not None:
+            fields[key] = dataclasses.asdict(fields[key])
     for key in ("dtype", "param_dtype"):
         fields[key] = None if fields[key] is None else str(np.dtype(fields[key]))
-    return {"family": config.family, "fields": fields}
+    return {"family": family.name, "fields": fields}
 
 
 def config_from_dict(data: dict, target: TargetConfig | None = None, source: str = "drafter config") -> DrafterConfig:
     """The drafter config saved by `config_to_dict`; a bad value is an error naming `source`."""
-    family = FAMILIES.get(data.get("family"))
-    if family is None:
-        raise CheckpointError(f"{source}: unknown drafter family {data.get('family')!r}")
+    try:
+        family = drafter_family(data.get("family"))
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from None
     if not isinstance(data.get("fields"), dict) or not isinstance(data["fields"].get("target"), dict):
         raise CheckpointError(f"{source}: no drafter fields")
     fields = dict(data["fields"])
     fields["target"] = target or target_config_from_hf(fields["target"], source)
-    known = {f.name for f in dataclasses.fields(family)}
+    known = {f.name for f in dataclasses.fields(family.config)}
     unknown = sorted(set(fields) - known)
     if unknown:
         raise CheckpointError(f"{source}: unknown drafter config field {unknown[0]!r}")
     try:
-        if fields.get("mamba") is not None:
-            fields["mamba"] = MambaConfig(**fields["mamba"])
-        return family(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+        for key, nested in family.nested.items():
+            if fields.get(key) is not None:
+                fields[key] = nested(**fields[key])
+        return family.config(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{source}: {e}") from None
 

@@ -7,7 +7,8 @@ A speculators checkpoint is `config.json` + `model.safetensors` (or shards and a
   `transformer_layer_config` (the verifier's HF config with the drafter's attention layer count, MLP width,
   `layer_types` and `sliding_window`), `speculators_config` (`algorithm`, `proposal_methods` with
   `speculative_tokens`, `verifier` with `name_or_path` and `architectures`), `draft_vocab_size`,
-  `block_size`, `mask_token_id`, and the family's own fields (below, `_hspec_fields` / `_dflash_fields`);
+  `block_size`, `mask_token_id`, and the family's own fields (`FORMATS`: one `SpeculatorsFormat` per drafter
+  family the format can express, naming its model types and mapping its config both ways);
 * tensors, torch layout: Linear weights `[out, in]`, the depthwise conv `[C, 1, K]`, norms `.weight`,
   `layers.{i}.*` per flat sub-layer, `seed_projs.{j}`, `markov_head.markov_w{1,2}.weight`,
   `confidence_head.proj.{weight,bias}`, the draft `lm_head.weight` `[Vd, D]`, the verifier's
@@ -25,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -39,13 +41,13 @@ from hspec_jax.checkpoints.hf import (
 )
 from hspec_jax.drafters.api import init_drafter
 from hspec_jax.drafters.config import DFlashConfig, DrafterConfig, HSpecConfig, check_target
+from hspec_jax.drafters.family import family_of
 from hspec_jax.drafters.mamba2 import MambaConfig
 from hspec_jax.drafters.vocab import DraftVocab, d2t_offsets, from_offsets
 from hspec_jax.models.config import TargetConfig
 from hspec_jax.models.decoder import embedding_matrix
 
 CONFIG = "config.json"
-MODEL_TYPES = ("mamba_attn_hybrid", "dflash", "dspark")
 ARCHITECTURES = {
     "mamba_attn_hybrid": "MambaAttnHybridDraftModel",
     "dflash": "DFlashDraftModel",
@@ -231,7 +233,7 @@ def _rope_entry(target: TargetConfig) -> dict:
     }
 
 
-def _hspec_fields(config: HSpecConfig) -> dict:
+def _hspec_fields(config: HSpecConfig) -> tuple[str, dict]:
     if config.latent_size != config.target.hidden_size:
         raise CheckpointError(
             f"fusion_rank {config.latent_size} != hidden size {config.target.hidden_size}: the speculators "
@@ -241,7 +243,7 @@ def _hspec_fields(config: HSpecConfig) -> dict:
     tl, non_causal = _layer_config(config, num_attn, default_causal=True)
     tl["use_qk_norm"] = config.attention_qk_norm
     mamba = config.mamba or MambaConfig(num_heads=1)
-    return {
+    return "mamba_attn_hybrid", {
         "transformer_layer_config": tl,
         "sliding_window_non_causal": non_causal,
         "latent_fusion_layer_ids": list(config.fusion_layer_ids),
@@ -266,13 +268,13 @@ def _hspec_fields(config: HSpecConfig) -> dict:
     }
 
 
-def _dflash_fields(config: DFlashConfig) -> dict:
+def _dflash_fields(config: DFlashConfig) -> tuple[str, dict]:
     if config.kv_source != "inject":
         raise CheckpointError("'DFlash + direct target-KV reuse' has no speculators model type")
     if not config.attention_qk_norm:
         raise CheckpointError("speculators DFlash layers always have q/k norms; this drafter has none")
     tl, non_causal = _layer_config(config, config.num_layers, default_causal=config.block_causal)
-    return {
+    return "dspark" if config.markov_rank else "dflash", {
         "transformer_layer_config": tl,
         "sliding_window_non_causal": non_causal,
         "aux_hidden_state_layer_ids": list(config.fusion_layer_ids),
@@ -283,11 +285,10 @@ def _dflash_fields(config: DFlashConfig) -> dict:
 
 def speculators_config(config: DrafterConfig, verifier: str | None) -> dict:
     """The speculators `config.json` of a drafter (`verifier`: the verifier's name or path, informational)."""
-    if isinstance(config, HSpecConfig):
-        model_type, fields = "mamba_attn_hybrid", _hspec_fields(config)
-    else:
-        model_type = "dspark" if config.markov_rank else "dflash"
-        fields = _dflash_fields(config)
+    family = family_of(config).name
+    if family not in FORMATS:
+        raise CheckpointError(f"the {family!r} drafter family has no speculators format (only {', '.join(FORMATS)})")
+    model_type, fields = FORMATS[family].export(config)
     arch = config.target.to_hf()["architectures"]
     return {
         "speculators_model_type": model_type,
@@ -374,7 +375,7 @@ def read_speculators_config(source: str) -> tuple[str, dict]:
 
 
 def _check_fields(spec: dict, model_type: str, path: str) -> None:
-    known = COMMON_FIELDS | IGNORED_FIELDS | (HSPEC_FIELDS if model_type == "mamba_attn_hybrid" else DFLASH_FIELDS)
+    known = COMMON_FIELDS | IGNORED_FIELDS | _format(model_type).fields
     unknown = sorted(set(spec) - known)
     if unknown:
         raise CheckpointError(f"{path}: unknown {model_type} config field {unknown[0]!r}")
@@ -455,7 +456,7 @@ def _attention_fields(spec: dict, merged: dict, target: TargetConfig, num_layers
 
 def speculators_drafter_config(spec: dict, target: TargetConfig, *, window_mode: str, path: str) -> DrafterConfig:
     """Our drafter config for a speculators config (checked against `target`); `window_mode` as for
-    `DrafterCommon` (the format does not say: the reference trains "block" and serves "query")."""
+    `DrafterConfig` (the format does not say: the reference trains "block" and serves "query")."""
     model_type = spec["speculators_model_type"]
     _check_fields(spec, model_type, path)
     merged = _layer(spec, target, path)
@@ -471,44 +472,74 @@ def speculators_drafter_config(spec: dict, target: TargetConfig, *, window_mode:
     if common["mask_token_id"] is None:
         raise CheckpointError(f"{path}: no mask_token_id")
     try:
-        if model_type == "mamba_attn_hybrid":
-            pattern = spec.get("block_pattern") or []
-            tokens = {v: k for k, v in SUBLAYER_TOKENS.items()}
-            if any(t not in tokens for t in pattern):
-                raise CheckpointError(f"{path}: block_pattern {pattern} has an unknown sub-layer")
-            block_pattern = tuple(tokens[t] for t in pattern)
-            num_attn = block_pattern.count("attn")
-            return HSpecConfig(
-                **common,
-                **_attention_fields(spec, merged, target, num_attn, path, hspec=True),
-                fusion_layer_ids=tuple(spec.get("latent_fusion_layer_ids") or ()),
-                attn_kv_layer_ids=tuple(spec.get("attn_kv_layer_ids") or ()),
-                block_pattern=block_pattern,
-                mamba=MambaConfig(
-                    num_heads=spec.get("mamba_num_heads", 64),
-                    head_dim=spec.get("mamba_head_dim", 64),
-                    d_state=spec.get("mamba_d_state", 16),
-                    n_groups=spec.get("mamba_n_groups", 1),
-                    conv_kernel=spec.get("mamba_conv_kernel", 4),
-                ),
-                seed_mode=spec.get("mamba_seed_mode", "per_layer"),
-                use_state_injection=not spec.get("disable_mamba_init_state_injection", False),
-                use_target_kv=not spec.get("disable_target_kv_reuse", False),
-                qk_norm=None if bool(spec.get("use_qk_norm", True)) == target.qk_norm else bool(spec["use_qk_norm"]),
-            )
-        if spec.get("target_hidden_size") not in (None, target.hidden_size):
-            raise CheckpointError(f"{path}: target_hidden_size {spec['target_hidden_size']} != {target.hidden_size}")
-        return DFlashConfig(
-            **common,
-            **_attention_fields(spec, merged, target, merged["num_hidden_layers"], path, hspec=False),
-            fusion_layer_ids=tuple(spec.get("aux_hidden_state_layer_ids") or ()),
-            num_layers=merged["num_hidden_layers"],
-            sample_from_anchor=bool(spec.get("sample_from_anchor", False)),
-        )
+        return _format(model_type).config(spec, common, merged, target, path)
     except CheckpointError:
         raise
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: {e}") from None
+
+
+def _hspec_config(spec: dict, common: dict, merged: dict, target: TargetConfig, path: str) -> HSpecConfig:
+    pattern = spec.get("block_pattern") or []
+    tokens = {v: k for k, v in SUBLAYER_TOKENS.items()}
+    if any(t not in tokens for t in pattern):
+        raise CheckpointError(f"{path}: block_pattern {pattern} has an unknown sub-layer")
+    block_pattern = tuple(tokens[t] for t in pattern)
+    num_attn = block_pattern.count("attn")
+    return HSpecConfig(
+        **common,
+        **_attention_fields(spec, merged, target, num_attn, path, hspec=True),
+        fusion_layer_ids=tuple(spec.get("latent_fusion_layer_ids") or ()),
+        attn_kv_layer_ids=tuple(spec.get("attn_kv_layer_ids") or ()),
+        block_pattern=block_pattern,
+        mamba=MambaConfig(
+            num_heads=spec.get("mamba_num_heads", 64),
+            head_dim=spec.get("mamba_head_dim", 64),
+            d_state=spec.get("mamba_d_state", 16),
+            n_groups=spec.get("mamba_n_groups", 1),
+            conv_kernel=spec.get("mamba_conv_kernel", 4),
+        ),
+        seed_mode=spec.get("mamba_seed_mode", "per_layer"),
+        use_state_injection=not spec.get("disable_mamba_init_state_injection", False),
+        use_target_kv=not spec.get("disable_target_kv_reuse", False),
+        qk_norm=None if bool(spec.get("use_qk_norm", True)) == target.qk_norm else bool(spec["use_qk_norm"]),
+    )
+
+
+def _dflash_config(spec: dict, common: dict, merged: dict, target: TargetConfig, path: str) -> DFlashConfig:
+    if spec.get("target_hidden_size") not in (None, target.hidden_size):
+        raise CheckpointError(f"{path}: target_hidden_size {spec['target_hidden_size']} != {target.hidden_size}")
+    return DFlashConfig(
+        **common,
+        **_attention_fields(spec, merged, target, merged["num_hidden_layers"], path, hspec=False),
+        fusion_layer_ids=tuple(spec.get("aux_hidden_state_layer_ids") or ()),
+        num_layers=merged["num_hidden_layers"],
+        sample_from_anchor=bool(spec.get("sample_from_anchor", False)),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculatorsFormat:
+    """How one drafter family maps to the speculators format: its `model_types`, its own config `fields`,
+    `export(config) -> (model type, family fields)` and `config(spec, common fields, layer config, target, path)
+    -> our config`."""
+
+    model_types: tuple[str, ...]
+    fields: frozenset[str]
+    export: Callable[[DrafterConfig], tuple[str, dict]]
+    config: Callable[..., DrafterConfig]
+
+
+# Drafter family name -> its speculators mapping; a family missing here has no speculators format.
+FORMATS = {
+    "hspec": SpeculatorsFormat(("mamba_attn_hybrid",), HSPEC_FIELDS, _hspec_fields, _hspec_config),
+    "dflash": SpeculatorsFormat(("dflash", "dspark"), DFLASH_FIELDS, _dflash_fields, _dflash_config),
+}
+MODEL_TYPES = tuple(t for f in FORMATS.values() for t in f.model_types)
+
+
+def _format(model_type: str) -> SpeculatorsFormat:
+    return next(f for f in FORMATS.values() if model_type in f.model_types)
 
 
 def _mask_row(table: np.ndarray, target_params: dict, mask_id: int, source: str) -> np.ndarray | None:

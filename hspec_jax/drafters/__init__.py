@@ -1,15 +1,18 @@
 """Drafters: H-Spec (Mamba-2 + target-KV attention hybrid), DFlash, DSpark, and the paper's variants."""
 
+# The built-in families register their kinds on import, H-Spec first: tables list kinds in registration order.
+from hspec_jax.drafters import hspec  # noqa: F401
 from hspec_jax.drafters.api import draft_block, draft_blocks, drafter_module, init_drafter, init_from_target
-from hspec_jax.drafters.config import (
-    DRAFTER_KINDS,
-    PAPER_BLOCK_PATTERN,
-    DFlashConfig,
-    DrafterConfig,
-    HSpecConfig,
-    drafter_config,
-)
+from hspec_jax.drafters.config import PAPER_BLOCK_PATTERN, DFlashConfig, DrafterConfig, HSpecConfig, drafter_config
 from hspec_jax.drafters.dflash import DFlash, empty_context
+from hspec_jax.drafters.family import (
+    DRAFTER_KINDS,
+    DrafterFamily,
+    DrafterKind,
+    drafter_kind,
+    register_family,
+    register_kind,
+)
 from hspec_jax.drafters.heads import Proposal, propose
 from hspec_jax.drafters.hspec import HSpec
 from hspec_jax.drafters.inputs import DraftInputs
@@ -26,6 +29,8 @@ __all__ = [
     "DraftOutput",
     "DraftVocab",
     "DrafterConfig",
+    "DrafterFamily",
+    "DrafterKind",
     "HSpec",
     "HSpecConfig",
     "MambaConfig",
@@ -35,10 +40,13 @@ __all__ = [
     "draft_blocks",
     "draft_vocab_from_counts",
     "drafter_config",
+    "drafter_kind",
     "drafter_module",
     "empty_context",
     "full_vocab",
     "init_drafter",
     "init_from_target",
     "propose",
+    "register_family",
+    "register_kind",
 ]

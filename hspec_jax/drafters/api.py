@@ -13,9 +13,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hspec_jax.drafters.config import DFlashConfig, DrafterConfig, HSpecConfig
-from hspec_jax.drafters.dflash import DFlash, drafter_context
-from hspec_jax.drafters.hspec import HSpec
+from hspec_jax.drafters.config import DrafterConfig
+from hspec_jax.drafters.dflash import drafter_context
+from hspec_jax.drafters.family import family_of
 from hspec_jax.drafters.inputs import DraftInputs
 from hspec_jax.drafters.output import DraftOutput
 from hspec_jax.drafters.vocab import DraftVocab, draft_rows
@@ -26,11 +26,8 @@ _INIT_CONTEXT_ROWS = 8
 
 
 def drafter_module(config: DrafterConfig):
-    if isinstance(config, HSpecConfig):
-        return HSpec(config)
-    if isinstance(config, DFlashConfig):
-        return DFlash(config)
-    raise TypeError(f"not a drafter config: {type(config).__name__}")
+    """The Linen module of `config`'s family."""
+    return family_of(config).module(config)
 
 
 def _example_inputs(config: DrafterConfig) -> DraftInputs:
@@ -75,12 +72,7 @@ def block_embeddings(params: dict, config: DrafterConfig, embedding: jax.Array, 
 
 def mirrored_target_layers(config: DrafterConfig) -> dict[str, int]:
     """Drafter attention layer name -> the target decoder layer whose KV it reads (and whose q/k/v it copies)."""
-    if isinstance(config, HSpecConfig):
-        attn = [i for i, kind in enumerate(config.block_pattern) if kind == "attn"]
-        return {f"layers_{i}": layer for i, layer in zip(attn, config.attn_kv_layer_ids, strict=True)}
-    if config.kv_source == "target":
-        return {f"layers_{i}": layer for i, layer in enumerate(config.target_kv_layer_ids)}
-    return {}
+    return family_of(config).mirrored_layers(config)
 
 
 COPIED_FROM_TARGET = ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm")
@@ -119,6 +111,16 @@ def draft_blocks(params: dict, config: DrafterConfig, inputs: DraftInputs) -> Dr
     KV" the target cache. Returns a `DraftOutput` `[B, A, T, ...]` (logits over the draft vocabulary, fp32)."""
     embeds = block_embeddings(params, config, inputs.embedding, inputs.block_tokens)
     return drafter_module(config).apply({"params": params}, embeds, inputs)
+
+
+def inject_context(params: dict, config: DrafterConfig, context_kv, new_context: tuple):
+    """Write the K/V rows of `new_context` (taps `[B, C, F*D]`, positions `[B, C]`, first row `[B]`) into the
+    drafter's own cache without drafting (what `draft_blocks` injects first) -> the cache. Only for drafters that
+    keep one (`config.owns_kv_cache`)."""
+    inject = family_of(config).inject
+    if inject is None:
+        raise TypeError(f"the {family_of(config).name!r} drafter family keeps no cache to inject into")
+    return inject(params, config, context_kv, new_context)
 
 
 def draft_block(

@@ -5,10 +5,8 @@
 * `DFlashConfig`: DFlash (target hidden states of every context position injected as a drafter-side KV
   cache). `markov_rank > 0` makes it DSpark; `kv_source="target"` is "DFlash + direct target-KV reuse".
 
-`drafter_config(kind, target, **fields)` builds any of them by name; `DRAFTER_KINDS` lists the names.
-"dspark" is DSpark as speculators defines it (`sample_from_anchor=True`: the block is [anchor, MASK x (k - 1)]
-and every slot drafts, slot i the token i + 1 after the anchor); "dflash_markov" is DFlash + Markov head on
-the DFlash block layout (slot 0 = the anchor, predicting nothing).
+`drafter_config(kind, target, **fields)` builds any registered kind by name (`family.DRAFTER_KINDS`; each family
+module registers its kinds and their field overrides).
 Layer-id conventions: `fusion_layer_ids` are target tap ids (tap i = the residual stream entering target
 layer i, HF `hidden_states[i]`); `attn_kv_layer_ids` are target decoder-layer indices whose KV cache is read.
 """
@@ -16,8 +14,9 @@ layer i, HF `hidden_states[i]`); `attn_kv_layer_ids` are target decoder-layer in
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any
 
+from hspec_jax.drafters.family import DRAFTER_FAMILIES, drafter_kind
 from hspec_jax.drafters.mamba2 import MambaConfig
 from hspec_jax.models.config import TargetConfig
 
@@ -30,9 +29,10 @@ ATTN_LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 @dataclasses.dataclass(frozen=True)
-class DrafterCommon:
-    """Fields every drafter has. Block = [anchor, MASK x (block_size - 1)]; slot i predicts the token i
-    positions after the anchor (i + 1 with `sample_from_anchor`, where slot 0 drafts too).
+class DrafterConfig:
+    """Fields every drafter has; each family's config subclasses it and names its `kind`.
+    Block = [anchor, MASK x (block_size - 1)]; slot i predicts the token i positions after the anchor (i + 1 with
+    `sample_from_anchor`, where slot 0 drafts too).
     `draft_vocab_size=None` drafts over the full target vocabulary.
 
     Attention layout: `attn_layer_types` gives each attention layer (H-Spec: attention sub-layer; DFlash: layer)
@@ -101,6 +101,16 @@ class DrafterCommon:
         return self.sliding_window, True
 
     @property
+    def cache_layers(self) -> int:
+        """Layers of the KV cache the drafter keeps of its own (`dflash.empty_context`); 0 = none."""
+        return 0
+
+    @property
+    def owns_kv_cache(self) -> bool:
+        """Whether the drafter keeps a KV cache of its own, into which context rows are injected."""
+        return self.cache_layers > 0
+
+    @property
     def num_drafts(self) -> int:
         """k, the number of drafted tokens per step."""
         return self.block_size - 1 + self.sample_from_anchor
@@ -139,8 +149,7 @@ class DrafterCommon:
 
 
 @dataclasses.dataclass(frozen=True)
-class HSpecConfig(DrafterCommon):
-    family: ClassVar[str] = "hspec"
+class HSpecConfig(DrafterConfig):
     attn_kv_layer_ids: tuple[int, ...] = ()
     mamba: MambaConfig | None = None
     block_pattern: tuple[str, ...] = PAPER_BLOCK_PATTERN
@@ -167,8 +176,6 @@ class HSpecConfig(DrafterCommon):
             raise ValueError("block_pattern has mamba sub-layers: set `mamba`")
         if self.seed_mode not in SEED_MODES:
             raise ValueError(f"unknown seed_mode {self.seed_mode!r}; choose from {SEED_MODES}")
-
-    owns_kv_cache = False  # reads the target's cache in place
 
     @property
     def attention_qk_norm(self) -> bool:
@@ -205,8 +212,7 @@ class HSpecConfig(DrafterCommon):
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashConfig(DrafterCommon):
-    family: ClassVar[str] = "dflash"
+class DFlashConfig(DrafterConfig):
     num_layers: int = 5
     kv_source: str = "inject"
     target_kv_layer_ids: tuple[int, ...] = ()  # with kv_source="target": one target layer per drafter layer
@@ -229,9 +235,9 @@ class DFlashConfig(DrafterCommon):
                 raise ValueError("reading the target's KV cache requires the target's own q/k norm setting")
 
     @property
-    def owns_kv_cache(self) -> bool:
-        """Whether the drafter keeps a KV cache of its own (DFlash/DSpark inject into one)."""
-        return self.kv_source == "inject"
+    def cache_layers(self) -> int:
+        """DFlash/DSpark inject into a cache of their own, one layer per drafter layer."""
+        return self.num_layers if self.kv_source == "inject" else 0
 
     @property
     def kind(self) -> str:
@@ -248,8 +254,6 @@ class DFlashConfig(DrafterCommon):
         return True if self.qk_norm is None else self.qk_norm
 
 
-DrafterConfig = HSpecConfig | DFlashConfig
-FAMILIES = {cls.family: cls for cls in (HSpecConfig, DFlashConfig)}
 # The target fields a drafter depends on: its embedding/vocabulary, hidden size, tapped layers, KV geometry, RoPE.
 TARGET_ARCH_FIELDS = (
     "vocab_size",
@@ -275,51 +279,19 @@ def check_target(drafter: DrafterConfig, target: TargetConfig) -> None:
         raise ValueError("drafter and target do not match (" + "; ".join(wrong) + ")")
 
 
-DRAFTER_KINDS = (
-    "hspec",
-    "hspec_kv_only",
-    "hspec_last_token",
-    "dflash",
-    "dspark",
-    "dflash_markov",
-    "dflash_target_kv",
-)
-
-
 def drafter_config(kind: str, target: TargetConfig, **fields) -> DrafterConfig:
-    """A drafter config by kind name. `fields` are the recipe (layer ids, Mamba shape, ranks ...); fields of
-    another drafter family are ignored, so one recipe dict can build every kind, but a field no family has
-    is an error naming it (a typo in a recipe or a command-line override must not pass silently).
+    """A drafter config by kind name. `fields` are the recipe (layer ids, Mamba shape as a config or a dict,
+    ranks ...); fields of another drafter family are ignored, so one recipe dict can build every kind, but a field
+    no family has is an error naming it (a typo in a recipe or a command-line override must not pass silently).
     A recipe's `block_size` is 1 + k for every kind: "dspark" (sample_from_anchor) gets a block of k slots."""
-    if kind not in DRAFTER_KINDS:
-        raise ValueError(f"unknown drafter kind {kind!r}; choose from {DRAFTER_KINDS}")
-    known = {f.name for cls in FAMILIES.values() for f in dataclasses.fields(cls)} - {"target"}
+    spec = drafter_kind(kind)
+    known = {f.name for family in DRAFTER_FAMILIES.values() for f in dataclasses.fields(family.config)} - {"target"}
     unknown = sorted(set(fields) - known)
     if unknown:
         raise ValueError(f"unknown drafter config field(s) {', '.join(map(repr, unknown))}; known: {sorted(known)}")
-    family = HSpecConfig if kind.startswith("hspec") else DFlashConfig
-    names = {f.name for f in dataclasses.fields(family)}
+    names = {f.name for f in dataclasses.fields(spec.family.config)}
     fields = {k: v for k, v in fields.items() if k in names}
-    if kind == "hspec_kv_only":
-        fields["use_state_injection"] = False
-    elif kind == "hspec_last_token":
-        fields["use_target_kv"] = False
-    elif kind == "dflash":
-        fields.update(markov_rank=0, confidence_head=False)
-    elif kind == "dflash_target_kv":
-        fields.update(kv_source="target", markov_rank=0, confidence_head=False)
-        fields.setdefault("target_kv_layer_ids", _target_kv_layers(fields, target))
-    elif kind in ("dspark", "dflash_markov"):
-        fields.setdefault("markov_rank", 256)
-        fields.setdefault("confidence_head", True)
-        anchored = kind == "dspark"
-        fields.update(sample_from_anchor=anchored, block_size=fields.get("block_size", 8) - anchored)
-    return family(target=target, **fields)
-
-
-def _target_kv_layers(fields: dict, target: TargetConfig) -> tuple[int, ...]:
-    """Default target layers read by "DFlash + direct target-KV reuse": its fusion taps, used as layer indices."""
-    taps, layers = fields["fusion_layer_ids"], fields.get("num_layers", 5)
-    if len(taps) < layers:
-        raise ValueError(f"dflash_target_kv needs {layers} target layers: set target_kv_layer_ids")
-    return tuple(min(t, target.num_layers - 1) for t in taps[:layers])
+    for key, nested in spec.family.nested.items():
+        if isinstance(fields.get(key), dict):
+            fields[key] = nested(**fields[key])
+    return spec.family.config(target=target, **spec.fields(fields, target))

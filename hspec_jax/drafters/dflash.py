@@ -18,7 +18,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from hspec_jax.drafters.config import DFlashConfig
+from hspec_jax.drafters.config import DFlashConfig, DrafterConfig
+from hspec_jax.drafters.family import DrafterFamily, DrafterKind, register_family, register_kind
 from hspec_jax.drafters.heads import ConfidenceHead, MarkovHead
 from hspec_jax.drafters.inputs import DraftInputs
 from hspec_jax.drafters.layers import DraftAttention
@@ -94,8 +95,8 @@ class DFlash(nn.Module):
 
 
 def inject_context(params: dict, config: DFlashConfig, context_kv, new_context: tuple):
-    """Write the K/V rows of `new_context` (taps `[B, C, F*D]`, positions `[B, C]`, first row `[B]`) into the
-    drafter cache without drafting (what `draft_block` injects first) -> the cache."""
+    """DFlash's `DrafterFamily.inject`: write the K/V rows of `new_context` (taps `[B, C, F*D]`, positions `[B, C]`,
+    first row `[B]`) into the drafter cache without drafting (what `draft_block` injects first) -> the cache."""
     inputs = DraftInputs(
         embedding=None,
         block_tokens=None,
@@ -108,14 +109,69 @@ def inject_context(params: dict, config: DFlashConfig, context_kv, new_context: 
     return DFlash(config, inject_only=True).apply({"params": params}, None, inputs).context_kv
 
 
-def empty_context(config: DFlashConfig, batch: int, capacity: int, dtype=None) -> KVBuffers:
-    """A zeroed drafter-side cache: per layer k, v `[B, capacity, K, H]`."""
+def empty_context(config: DrafterConfig, batch: int, capacity: int, dtype=None) -> KVBuffers:
+    """A zeroed drafter-side cache: per layer (`config.cache_layers`) k, v `[B, capacity, K, H]`."""
     shape = (batch, capacity, config.target.num_kv_heads, config.target.head_dim)
     dtype = dtype or config.compute_dtype
-    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.cache_layers))
     return KVBuffers(k=zeros(), v=zeros())
 
 
-def drafter_context(config, batch: int, capacity: int) -> KVBuffers | tuple:
+def drafter_context(config: DrafterConfig, batch: int, capacity: int) -> KVBuffers | tuple:
     """The drafter-side cache a drafter needs: `empty_context` for DFlash/DSpark, () for drafters without one."""
     return empty_context(config, batch, capacity) if config.owns_kv_cache else ()
+
+
+def mirrored_layers(config: DFlashConfig) -> dict[str, int]:
+    """With kv_source="target" each layer reads (and copies q/k/v from) its mapped target layer; none otherwise."""
+    if config.kv_source != "target":
+        return {}
+    return {f"layers_{i}": layer for i, layer in enumerate(config.target_kv_layer_ids)}
+
+
+def _plain(fields: dict, target) -> dict:
+    return {**fields, "markov_rank": 0, "confidence_head": False}
+
+
+def _target_kv(fields: dict, target) -> dict:
+    """DFlash + direct target-KV reuse: each layer reads one target layer's cache, by default those of its taps."""
+    taps, layers = fields["fusion_layer_ids"], fields.get("num_layers", 5)
+    if "target_kv_layer_ids" not in fields and len(taps) < layers:
+        raise ValueError(f"dflash_target_kv needs {layers} target layers: set target_kv_layer_ids")
+    default = tuple(min(t, target.num_layers - 1) for t in taps[:layers])
+    return {"target_kv_layer_ids": default, **_plain(fields, target), "kv_source": "target"}
+
+
+def _markov(anchored: bool):
+    """DFlash + Markov head (and confidence head, by default). "dspark" is DSpark as speculators defines it
+    (`sample_from_anchor=True`: the block is [anchor, MASK x (k - 1)] and every slot drafts, slot i the token
+    i + 1 after the anchor); "dflash_markov" keeps the DFlash block layout (slot 0 = the anchor, predicting nothing)."""
+
+    def fields_of(fields: dict, target) -> dict:
+        block_size = fields.get("block_size", 8) - anchored
+        return {
+            "markov_rank": 256,
+            "confidence_head": True,
+            **fields,
+            "sample_from_anchor": anchored,
+            "block_size": block_size,
+        }
+
+    return fields_of
+
+
+FAMILY = register_family(
+    DrafterFamily(
+        "dflash",
+        DFlashConfig,
+        DFlash,
+        mirrored_layers=mirrored_layers,
+        inject=inject_context,
+    )
+)
+CE_ONLY = {"ce": 1.0, "tv": 0.0, "confidence": 0.0}  # DFlash's recipe: cross-entropy alone
+# DSpark before DFlash: comparison tables read H-Spec, then the baseline closest to it, then plain DFlash.
+register_kind(DrafterKind("dspark", FAMILY, _markov(anchored=True), compared=True))
+register_kind(DrafterKind("dflash", FAMILY, _plain, loss=CE_ONLY, compared=True))
+register_kind(DrafterKind("dflash_markov", FAMILY, _markov(anchored=False)))
+register_kind(DrafterKind("dflash_target_kv", FAMILY, _target_kv, loss=CE_ONLY))

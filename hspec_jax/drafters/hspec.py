@@ -23,9 +23,11 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from hspec_jax.drafters.config import HSpecConfig
+from hspec_jax.drafters.family import DrafterFamily, DrafterKind, register_family, register_kind
 from hspec_jax.drafters.heads import ConfidenceHead, MarkovHead
 from hspec_jax.drafters.inputs import DraftInputs
 from hspec_jax.drafters.layers import AttentionSubLayer, MambaSubLayer, MLPSubLayer
+from hspec_jax.drafters.mamba2 import MambaConfig
 from hspec_jax.drafters.output import DraftOutput, apply_heads, draft_logits
 from hspec_jax.models.layers import RMSNorm, dense
 
@@ -73,3 +75,24 @@ class HSpec(nn.Module):
         markov = MarkovHead(target.vocab_size, cfg.vocab_size, cfg.markov_rank, pdtype, name="markov_head")
         confidence = ConfidenceHead(pdtype, name="confidence_head")
         return apply_heads(cfg, markov, confidence, hidden, logits, inputs.prev_tokens)
+
+
+def mirrored_layers(config: HSpecConfig) -> dict[str, int]:
+    """Each attention sub-layer reads (and copies q/k/v from) its mapped target layer."""
+    attn = [i for i, kind in enumerate(config.block_pattern) if kind == "attn"]
+    return {f"layers_{i}": layer for i, layer in zip(attn, config.attn_kv_layer_ids, strict=True)}
+
+
+FAMILY = register_family(
+    DrafterFamily(
+        "hspec",
+        HSpecConfig,
+        HSpec,
+        components={"seed_projs": "ssm seed projection"},
+        nested={"mamba": MambaConfig},
+        mirrored_layers=mirrored_layers,
+    )
+)
+register_kind(DrafterKind("hspec", FAMILY, compared=True))
+register_kind(DrafterKind("hspec_kv_only", FAMILY, lambda fields, target: {**fields, "use_state_injection": False}))
+register_kind(DrafterKind("hspec_last_token", FAMILY, lambda fields, target: {**fields, "use_target_kv": False}))

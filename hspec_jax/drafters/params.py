@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 
 from hspec_jax.drafters.api import mirrored_target_layers
 from hspec_jax.drafters.config import DrafterConfig
+from hspec_jax.drafters.family import family_of
 
 # Kept frozen: the draft lm_head (target rows), the drafter's own mask-token embedding row, and the q/k norms
 # copied from the target layers whose KV cache is read (block keys must stay normalised exactly like the cached
@@ -38,7 +41,9 @@ _SUBLAYER_COMPONENTS = {
     "ssm": "mamba-2 mixers",
     "ssm_norm": "mamba-2 mixers",
 }
-_TOP_COMPONENTS = {
+# The pieces several families share (tap fusion, the output stage of `output.py` and `heads.py`); each family adds
+# its own (`DrafterFamily.components`).
+_COMMON_COMPONENTS = {
     "fc": "fusion of target hidden states",
     "hidden_norm": "fusion of target hidden states",
     "norm": "final norm",
@@ -49,14 +54,19 @@ _TOP_COMPONENTS = {
 }
 
 
-def component(path: tuple[str, ...]) -> str:
-    """Human-readable component of a parameter path (the same names for every drafter family)."""
-    top = path[0]
-    if top.startswith("seed_projs"):
-        return "ssm seed projection"
-    if top.startswith("layers_"):
+def component(config: DrafterConfig, path: tuple[str, ...]) -> str:
+    """Human-readable component of a parameter path (the same names for every drafter family). A numbered
+    top-level name (`seed_projs_0`) is looked up without its number."""
+    top = re.sub(r"_\d+$", "", path[0])
+    if top == "layers":
         return _SUBLAYER_COMPONENTS.get(path[1], "mlp")
-    return _TOP_COMPONENTS[top]
+    family = family_of(config)
+    components = {**_COMMON_COMPONENTS, **family.components}
+    if top not in components:
+        raise KeyError(
+            f"parameter {path[0]!r} of the {family.name!r} drafter family has no component; known: {sorted(components)}"
+        )
+    return components[top]
 
 
 def count_by_component(params, config: DrafterConfig) -> dict[str, dict[str, int]]:
@@ -64,6 +74,6 @@ def count_by_component(params, config: DrafterConfig) -> dict[str, dict[str, int
     counts: dict[str, dict[str, int]] = {}
     for key_path, leaf in jax.tree_util.tree_leaves_with_path(params):
         path = _path(key_path)
-        entry = counts.setdefault(component(path), {"trainable": 0, "frozen": 0})
+        entry = counts.setdefault(component(config, path), {"trainable": 0, "frozen": 0})
         entry["trainable" if is_trainable(config, path) else "frozen"] += int(np.prod(leaf.shape))
     return counts

@@ -126,7 +126,7 @@ def paged_context(drafter: DrafterConfig | None, cache: PagedKVCache) -> PagedBu
         return ()
     target = drafter.target
     geometry = (cache.num_pages, cache.page_size, target.num_kv_heads, target.head_dim, drafter.compute_dtype)
-    pools = lambda: _pools(drafter.num_layers, *geometry)
+    pools = lambda: _pools(drafter.cache_layers, *geometry)
     return PagedBuffers(k=pools(), v=pools(), page_table=jnp.array(cache.page_table, copy=True))
 
 
