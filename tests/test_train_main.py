@@ -258,6 +258,9 @@ def test_fine_tuning_a_drafter_of_another_recipe_is_an_error_naming_the_field(tm
     ):
         with pytest.raises(ValueError, match=r"does not match the recipe's drafter: markov_rank=16 \(recipe: 4\)"):
             load()
+    dflash = drafter_from_recipe(recipe, "dflash")
+    with pytest.raises(ValueError, match=r"is a drafter of kind hspec; the recipe's is of kind dflash"):
+        warm_start_vocab(str(tmp_path / "d"), dflash)
 
 
 def test_a_second_job_on_the_same_workdir_is_refused(tmp_path):

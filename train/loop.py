@@ -78,10 +78,15 @@ def warm_start_vocab(spec: str, drafter: DrafterConfig) -> DraftVocab:
         config, vocab, _ = read_drafter_meta(spec, drafter.target)
     except CheckpointError as e:
         raise InputError(f"--config.train.init_from={spec!r}: {e}") from None
+    if type(config) is not type(drafter):
+        raise InputError(
+            f"--config.train.init_from={spec!r} is a drafter of kind {config.kind}; "
+            f"the recipe's is of kind {drafter.kind}"
+        )
     ours, theirs = config_to_dict(drafter)["fields"], config_to_dict(config)["fields"]
     differ = sorted(k for k in ours if k not in ("dtype", "param_dtype") and ours[k] != theirs[k])
-    if type(config) is not type(drafter) or differ:
-        fields = ", ".join(f"{k}={theirs[k]!r} (recipe: {ours[k]!r})" for k in differ) or "the drafter kind"
+    if differ:
+        fields = ", ".join(f"{k}={theirs[k]!r} (recipe: {ours[k]!r})" for k in differ)
         raise InputError(f"--config.train.init_from={spec!r} does not match the recipe's drafter: {fields}")
     return vocab
 
