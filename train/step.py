@@ -26,11 +26,9 @@ import jax.numpy as jnp
 import optax
 
 from hspec_jax import parallel
-from hspec_jax.drafters.api import block_inputs, draft_blocks, seed_hidden_at
+from hspec_jax.drafters.api import draft_blocks, training_inputs
 from hspec_jax.drafters.config import DrafterConfig
-from hspec_jax.drafters.dflash import drafter_context
-from hspec_jax.drafters.inputs import DraftInputs
-from hspec_jax.drafters.output import DraftOutput
+from hspec_jax.drafters.output import DraftOutput, drafted_slots
 from hspec_jax.drafters.params import trainable_mask
 from hspec_jax.drafters.vocab import DraftVocab
 from hspec_jax.models.config import TargetConfig
@@ -97,11 +95,11 @@ def block_target_logits(target_params, target: TargetConfig, last, anchors, bloc
     return output_logits(target_params, target, last[rows, source_rows], vocab.d2t)
 
 
-def dflash_layout(out: DraftOutput, drafter) -> DraftOutput:
-    """A `sample_from_anchor` drafter's output `[B, A, k, ...]` (slot i drafts token a + i + 1) in the layout the
-    loss reads, `[B, A, k + 1, ...]` with slot j for token a + j: a zero slot 0 (never supervised) in front."""
-    if not drafter.sample_from_anchor:
-        return out
+def loss_layout(out: DraftOutput, drafter) -> DraftOutput:
+    """A drafter's output `[B, A, T, ...]` in the layout the loss reads, `[B, A, k + 1, ...]` with slot j for the
+    token j after the anchor: the drafting slots (`drafted_slots`, as the engine reads them) behind a zero slot 0
+    (never supervised)."""
+    out = drafted_slots(out, drafter)
     pad = lambda x: None if x is None else jnp.concatenate([jnp.zeros_like(x[:, :, :1]), x], axis=2)
     return out._replace(hidden=pad(out.hidden), logits=pad(out.logits), confidence=pad(out.confidence))
 
@@ -111,21 +109,9 @@ def chunk_sums(params, target_params, vocab: DraftVocab, config: StepConfig, bat
     drafter = config.drafter
     t = drafter.num_drafts + 1  # the anchor and the k tokens drafted after it
     tokens, positions = batch["tokens"], batch["positions"]
-    rows = jnp.arange(tokens.shape[0])[:, None]
-    block, prev, _ = block_inputs(tokens, anchors, drafter.block_size, drafter.mask_token_id, drafter.first_draft_slot)
-    batch_size, length = tokens.shape
-    inputs = DraftInputs(
-        embedding=embedding_matrix(target_params),
-        block_tokens=block,
-        anchors=anchors,
-        doc_starts=anchors - positions[rows, anchors],
-        seed_hidden=seed_hidden_at(features.fused, anchors),
-        target_cache=features.cache,
-        context_kv=drafter_context(drafter, batch_size, length),
-        new_context=(features.fused, positions, jnp.zeros((batch_size,), jnp.int32)),
-        prev_tokens=prev,
-    )
-    out = dflash_layout(draft_blocks(params, drafter, inputs), drafter)
+    embedding = embedding_matrix(target_params)
+    inputs = training_inputs(drafter, embedding, tokens, positions, anchors, features.fused, features.cache)
+    out = loss_layout(draft_blocks(params, drafter, inputs), drafter)
     target_logits = block_target_logits(target_params, config.target, features.last, anchors, t, vocab)
     mask = block_mask(batch, anchors, valid, t)
     return slot_sums(out.logits, target_logits, mask, config.weights.gamma, out.confidence)

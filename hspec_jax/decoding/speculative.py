@@ -48,10 +48,12 @@ from hspec_jax.decoding.policy import (
     wants_draft,
 )
 from hspec_jax.decoding.sampling import SamplingConfig, probabilities, sample
-from hspec_jax.drafters.api import draft_block, inject_context
+from hspec_jax.drafters.api import decoding_inputs, draft_blocks, inject_context
 from hspec_jax.drafters.config import DrafterConfig, check_target
 from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.drafters.heads import propose
+from hspec_jax.drafters.inputs import DraftInputs
+from hspec_jax.drafters.output import drafted_slots
 from hspec_jax.drafters.vocab import DraftVocab
 from hspec_jax.models.config import TargetConfig
 from hspec_jax.models.decoder import embedding_matrix, forward
@@ -104,47 +106,25 @@ class SpecGeneration(NamedTuple):
     context: tuple  # DFlash/DSpark: the drafter-side cache, a real buffer (empty for H-Spec)
 
 
-def _draft_next(
-    target_params,
-    drafter_params,
-    drafter: DrafterConfig,
-    vocab,
-    sampling,
-    cache,
-    anchor,
-    seed,
-    context,
-    new_context,
-    rng,
-):
-    """Draft k tokens after `anchor` (at position cache.lengths) -> (tokens, probs, confidence, context)."""
+def _draft_next(drafter_params, drafter: DrafterConfig, vocab, sampling, inputs: DraftInputs, rng):
+    """Draft k tokens after the anchor of `inputs` (`decoding_inputs`) -> (tokens, probs, confidence, drafter
+    cache)."""
     k = drafter.num_drafts
-    masks = jnp.full((anchor.shape[0], drafter.block_size - 1), drafter.mask_token_id, jnp.int32)
-    block = jnp.concatenate([anchor[:, None], masks], 1)
-    out = draft_block(
-        drafter_params,
-        drafter,
-        embedding_matrix(target_params),
-        block,
-        cache.lengths,
-        target_cache=cache,
-        seed_hidden=seed,
-        context_kv=context,
-        new_context=new_context,
-    )
-    slots = slice(drafter.first_draft_slot, None)
+    anchor = inputs.block_tokens[:, 0, 0]
+    out = drafted_slots(draft_blocks(drafter_params, drafter, inputs), drafter)
     proposal = propose(
-        out.logits[:, slots],
+        out.logits[:, 0],
         anchor,
         vocab,
         sampling,
         rng,
         drafter_params.get("markov_head"),
-        out.hidden[:, slots],
+        out.hidden[:, 0],
         drafter_params.get("confidence_head"),
     )
     probs = proposal.probs if not sampling.greedy else jnp.zeros((anchor.shape[0], k, 1), jnp.float32)
-    return proposal.tokens, probs, proposal.confidence, (out.context_kv if out.context_kv is not None else context)
+    context = out.context_kv if out.context_kv is not None else inputs.context_kv
+    return proposal.tokens, probs, proposal.confidence, context
 
 
 def _fused(hidden: tuple[jax.Array, ...]) -> jax.Array:
@@ -233,21 +213,16 @@ def spec_prefill(
     earlier calls, whose states are discarded). With a `policy`, `costs [C]` is its cost table (`costs.py`)
     and the first step's draft length is chosen from the first block's confidence and the policy's prior."""
     k = drafter.num_drafts
-    batch, width = prompts.shape
+    batch = prompts.shape[0]
     start = cache.lengths
     first_rng, draft_rng, loop_rng = jax.random.split(rng, 3)
     last = (lengths - 1)[:, None]  # logits only at each sequence's last prompt position: [B, 1, V], not [B, T, V]
     out = forward(target_params, target, prompts, cache, drafter.fusion_layer_ids, logit_indices=last)
     token = sample(first_rng, out.logits[:, 0], sampling)
     cache = commit(out.cache, lengths)
-    taps = _fused(out.hidden)  # [B, T, F*D]
-    seed = jnp.take_along_axis(taps, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    new_context = None
-    if drafter.owns_kv_cache:
-        new_context = (taps, start[:, None] + jnp.arange(width, dtype=jnp.int32), start)
-    draft, probs, confidence, context = _draft_next(
-        target_params, drafter_params, drafter, vocab, sampling, cache, token, seed, context, new_context, draft_rng
-    )
+    inputs = decoding_inputs(drafter, embedding_matrix(target_params), token, cache, _fused(out.hidden), start, context)
+    draft, probs, confidence, context = _draft_next(drafter_params, drafter, vocab, sampling, inputs, draft_rng)
+    seed = inputs.seed_hidden[:, 0]
     tokens = jnp.full((batch, max_new_tokens + k + 1), pad_id, jnp.int32).at[:, 0].set(token)
     num = jnp.ones((batch,), jnp.int32)
     done = is_eos(token, eos_ids) | (num >= max_new_tokens) | ~_room(cache, k)
@@ -297,10 +272,8 @@ def _spec_steps(
         s = carry[0]
         return (s.step < limit) & ~jnp.all(s.done)
 
-    def draft(cache, nxt, seed, new_context, rng, context):
-        return _draft_next(
-            target_params, drafter_params, drafter, vocab, sampling, cache, nxt, seed, context, new_context, rng
-        )
+    def draft(inputs, rng, context):
+        return _draft_next(drafter_params, drafter, vocab, sampling, inputs.replace(context_kv=context), rng)
 
     def draft_carried(carry):
         """`draft` on inputs carried by `_when`'s loop (through its barrier): were they loop invariants, XLA would
@@ -345,9 +318,9 @@ def _spec_steps(
             s.stats.predicted_at + reached * s.confidence,
             s.stats.chosen + on * (jnp.arange(len(choices)) == s.choice),
         )
-        seed = jnp.take_along_axis(taps, n[:, None, None], axis=1)[:, 0]  # the last committed row
-        new_context = (taps, start[:, None] + slots, start) if drafter.owns_kv_cache else None
-        operands = (cache, nxt, seed, new_context, draft_rng)
+        inputs = decoding_inputs(drafter, embedding_matrix(target_params), nxt, cache, taps, start)
+        seed = inputs.seed_hidden[:, 0]
+        operands = (inputs, draft_rng)
         if policy is None:
             draft_tokens, probs, confidence, context = draft(*operands, context)
             estimates, choice = None, s.choice
@@ -355,9 +328,11 @@ def _spec_steps(
             estimates = observe(s.policy, policy, s.confidence, drafts, n, active)
             drafting = wants_draft(estimates, policy, ~done)
             kept = (s.draft, s.draft_probs, jnp.zeros_like(s.confidence), context, operands)
-            draft_tokens, probs, confidence, context, (cache, *_) = _when(drafting, draft_carried, kept)
+            draft_tokens, probs, confidence, context, (inputs, _) = _when(drafting, draft_carried, kept)
+            cache = inputs.target_cache
             if drafter.owns_kv_cache:  # a plain step's row still goes into DFlash's own cache
-                context = _when(~drafting, lambda c: inject_context(drafter_params, drafter, c, new_context), context)
+                inject = lambda c: inject_context(drafter_params, drafter, c, inputs.new_context)
+                context = _when(~drafting, inject, context)
             choice = jnp.where(drafting, step_choice(estimates, policy, confidence, ~done), 0)
             estimates = estimates._replace(drafted=jnp.broadcast_to(drafting, (batch,)))
         state = SpecState(

@@ -166,11 +166,60 @@ def block_inputs(tokens: jax.Array, anchors: jax.Array, block_size: int, mask_to
     start = anchors[..., None]
     labels = at(start + offsets + 1 - shift)
     prev = at(start + jnp.maximum(offsets - shift, 0))
-    block = jnp.where(offsets == 0, at(start), mask_token_id)
-    return block, prev, labels
+    return anchor_blocks(at(start)[..., 0], block_size, mask_token_id), prev, labels
 
 
-def seed_hidden_at(taps: jax.Array, anchors: jax.Array) -> jax.Array:
-    """taps `[B, S, F*D]` -> `[B, A, F*D]` at position anchor - 1 (clamped at 0), H-Spec's seed position."""
-    rows = jnp.arange(taps.shape[0])[:, None]
-    return taps[rows, jnp.maximum(anchors - 1, 0)]
+def anchor_blocks(anchor_tokens: jax.Array, block_size: int, mask_token_id: int) -> jax.Array:
+    """anchor tokens `[...]` -> blocks `[..., T]` = [anchor, MASK x (T - 1)]."""
+    masks = jnp.full((*anchor_tokens.shape, block_size - 1), mask_token_id, anchor_tokens.dtype)
+    return jnp.concatenate([anchor_tokens[..., None], masks], axis=-1)
+
+
+def seed_hidden_at(taps: jax.Array, anchors: jax.Array, first_row: jax.Array | int = 0) -> jax.Array:
+    """H-Spec's seed: the fused taps of the row before each block's anchor row (the last committed row).
+    taps `[B, C, F*D]` hold context rows first_row .. first_row + C - 1 (first_row `[B]` or 0), anchors `[B, A]`
+    -> `[B, A, F*D]` (the index clamped into taps)."""
+    index = anchors - 1 - jnp.reshape(jnp.asarray(first_row), (-1, 1))
+    return jnp.take_along_axis(taps, jnp.clip(index, 0, taps.shape[1] - 1)[..., None], axis=1)
+
+
+def training_inputs(
+    config: DrafterConfig, embedding: jax.Array, tokens, positions, anchors, taps, target_cache: KVCache
+) -> DraftInputs:
+    """The inputs of A training blocks per packed row. tokens, positions `[B, L]` (positions restart at 0 in each
+    document), anchors `[B, A]`, taps `[B, L, F*D]` the target's fused taps of every row, `target_cache` its KV
+    cache of the whole row. A drafter that keeps its own cache gets every row of the batch injected."""
+    block, prev, _ = block_inputs(tokens, anchors, config.block_size, config.mask_token_id, config.first_draft_slot)
+    batch, length = tokens.shape
+    rows = jnp.arange(batch)[:, None]
+    return DraftInputs(
+        embedding=embedding,
+        block_tokens=block,
+        anchors=anchors,
+        doc_starts=anchors - positions[rows, anchors],
+        seed_hidden=seed_hidden_at(taps, anchors),
+        target_cache=target_cache,
+        context_kv=drafter_context(config, batch, length),
+        new_context=(taps, positions, jnp.zeros((batch,), jnp.int32)),
+        prev_tokens=prev,
+    )
+
+
+def decoding_inputs(
+    config: DrafterConfig, embedding: jax.Array, anchor_tokens, target_cache: KVCache, taps, first_row, context_kv=None
+) -> DraftInputs:
+    """The inputs of the next block while decoding (A = 1): anchor_tokens `[B]` sit at row `target_cache.lengths`
+    (the committed lengths); taps `[B, C, F*D]` are the target's fused taps of the rows it has just written,
+    first_row .. first_row + C - 1 (first_row `[B]`). A drafter that keeps its own cache (`context_kv`) gets
+    those rows to inject."""
+    anchors = target_cache.lengths[:, None]
+    rows = first_row[:, None] + jnp.arange(taps.shape[1], dtype=jnp.int32)
+    return DraftInputs(
+        embedding=embedding,
+        block_tokens=anchor_blocks(anchor_tokens, config.block_size, config.mask_token_id)[:, None],
+        anchors=anchors,
+        seed_hidden=seed_hidden_at(taps, anchors, first_row),
+        target_cache=target_cache,
+        context_kv=context_kv,
+        new_context=(taps, rows, first_row) if config.owns_kv_cache else None,
+    )

@@ -36,3 +36,10 @@ def apply_heads(config, markov, confidence, hidden, logits, prev_tokens) -> Draf
     embedded, bias = markov(prev_tokens)
     conf = confidence(hidden, embedded) if config.confidence_head else None
     return DraftOutput(hidden, logits + bias, conf)
+
+
+def drafted_slots(out: DraftOutput, config) -> DraftOutput:
+    """The k drafting slots of `out` `[B, A, T, ...]` -> `[B, A, k, ...]`, slot i drafting the token i + 1 after
+    the anchor (slot 0, the anchor itself, is dropped unless the config `sample_from_anchor`)."""
+    keep = lambda x: None if x is None else x[:, :, config.first_draft_slot :]
+    return out._replace(hidden=keep(out.hidden), logits=keep(out.logits), confidence=keep(out.confidence))
