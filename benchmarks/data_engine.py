@@ -22,9 +22,10 @@ import jax
 import numpy as np
 
 from benchmarks.common import cpu_model, write_report
-from eval.generate import stop_ids
+from hspec_jax.chat import encode, render
 from hspec_jax.decoding import SamplingConfig
-from train.chat import encode, render, user_texts
+from hspec_jax.decoding.engine import stop_ids
+from train.chat import user_texts
 from train.data import load_mixture
 from train.generation import BatchGenerator
 from train.regenerate import build_engine

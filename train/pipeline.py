@@ -42,7 +42,7 @@ import dataclasses
 import grain
 import numpy as np
 
-from train.chat import tokenize_conversation
+from hspec_jax.chat import tokenize_conversation
 from train.data import Conversation, LoadedSource, Source, load_mixture
 
 BATCH_KEYS = ("tokens", "positions", "doc_ids", "loss_mask", "anchors", "anchor_valid")

@@ -15,20 +15,6 @@ import numpy as np
 MIN_BUCKET = 16
 
 
-def chat_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """Token ids of a chat (`[{"role", "content"}, ...]`) formatted with the tokenizer's chat template, ending
-    with the assistant generation prompt; `tools` (function definitions) go to the template's `tools=`."""
-    kwargs = {"tools": tools} if tools else {}
-    formatted = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
-    return list(tokenizer(formatted, add_special_tokens=False)["input_ids"])
-
-
-def chat_prompt_ids(tokenizer, text: str, system: str | None = None) -> list[int]:
-    """Token ids of a one-turn chat prompt, formatted with the tokenizer's chat template."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    return chat_ids(tokenizer, messages)
-
-
 def bucket(n: int) -> int:
     """The smallest power of two >= n, at least `MIN_BUCKET` (16)."""
     return max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length())

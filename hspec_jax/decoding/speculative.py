@@ -47,11 +47,11 @@ from hspec_jax.decoding.policy import (
     step_choice,
     wants_draft,
 )
+from hspec_jax.decoding.proposal import propose
 from hspec_jax.decoding.sampling import SamplingConfig, probabilities, sample
 from hspec_jax.drafters.api import draft_block
 from hspec_jax.drafters.config import DrafterConfig, check_target
 from hspec_jax.drafters.dflash import drafter_context, inject_context
-from hspec_jax.drafters.heads import propose
 from hspec_jax.drafters.vocab import DraftVocab
 from hspec_jax.models.config import TargetConfig
 from hspec_jax.models.decoder import embedding_matrix, forward

@@ -10,7 +10,6 @@ from hspec_jax.drafters.config import (
     drafter_config,
 )
 from hspec_jax.drafters.dflash import DFlash, empty_context
-from hspec_jax.drafters.heads import Proposal, propose
 from hspec_jax.drafters.hspec import HSpec
 from hspec_jax.drafters.inputs import DraftInputs
 from hspec_jax.drafters.mamba2 import MambaConfig
@@ -29,7 +28,6 @@ __all__ = [
     "HSpec",
     "HSpecConfig",
     "MambaConfig",
-    "Proposal",
     "build_draft_vocab",
     "draft_block",
     "draft_blocks",
@@ -40,5 +38,4 @@ __all__ = [
     "full_vocab",
     "init_drafter",
     "init_from_target",
-    "propose",
 ]
