@@ -2,8 +2,7 @@
 
 `compile_autoregressive` / `compile_speculative` lower and compile prefill and a decoding chunk once for a batch
 shape, with the caches donated between chunks; `generate_streaming` runs one generation `chunk` steps at a time
-(the command line `eval.generate` streams text this way, `eval.main` times every method through it). `Placement`
-puts params, batch and caches on a mesh, or on one device as the backend runs them best.
+(the command line `eval.generate` streams text this way, `eval.main` times every method through it).
 """
 
 from __future__ import annotations
@@ -17,14 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hspec_jax import parallel
 from hspec_jax.decoding.autoregressive import decode_chunk, prefill, start_decode
 from hspec_jax.decoding.costs import engine_shape
+from hspec_jax.decoding.placement import Placement
 from hspec_jax.decoding.policy import AdaptivePolicy
 from hspec_jax.decoding.speculative import SpecStats, measure_costs, spec_decode_chunk, spec_prefill
 from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.models import init_cache
-from hspec_jax.models.layers import for_backend
 
 # Decoding steps per streamed chunk: the overhead against one uninterrupted loop is measured in
 # benchmarks/results/streaming.md (python -m benchmarks.streaming).
@@ -90,23 +88,6 @@ def generate_streaming(
         tokens, num, done, stats = engine.view(state)  # waits for the chunk
     end = time.perf_counter()
     return Result(tokens, num, prefill_end - begin, end - prefill_end, stats, not done.all())
-
-
-class Placement:
-    """Put params / batch / caches on the mesh (without one: params as `for_backend` gives them, the rest as is)."""
-
-    def __init__(self, mesh, head_dim):
-        self.mesh, self.head_dim = mesh, head_dim
-
-    def params(self, params):
-        """Sharded on the mesh; on one device, as the backend runs them best (`for_backend`: fused on CPU)."""
-        return for_backend(params) if self.mesh is None else parallel.shard_params(params, self.mesh, self.head_dim)
-
-    def batch(self, *arrays):
-        return arrays if self.mesh is None else parallel.shard_batch(self.mesh, *arrays)
-
-    def kv(self, tree):
-        return tree if self.mesh is None else parallel.shard_kv(self.mesh, tree)
 
 
 def compile_autoregressive(
