@@ -3,7 +3,7 @@
     python -m eval.main --target smollm2 --drafter random:hspec --drafter random:dspark --num-prompts 4 \\
         --out /tmp/eval-smoke
 
-For every prompt of the chosen tasks (`eval.prompts`: math, qa, dialogue, rag, summarization, translation, code,
+For every prompt of the chosen tasks (`hspec_jax.prompts`: math, qa, dialogue, rag, summarization, translation, code,
 tool_use), plain decoding and then each drafter generate up to `--max-new-tokens` tokens per turn, in one
 process, interleaved prompt by prompt. Multi-turn prompts (MT-bench) are answered turn by turn, each method's second
 turn seeing its own first answer. Prompt width and KV capacity are bucketed (`hspec_jax.decoding.bucketed_shapes`)
@@ -23,7 +23,7 @@ identical outputs is reported.
 `--target` takes what `eval.generate` takes (smollm2, an HF directory, a .gguf file, an Orbax target) or
 `random:<recipe>` (e.g. random:tiny): a randomly initialised target of `configs/<recipe>.py`, with weights scaled
 up so greedy choices are far from ties, whose prompts are the SmolLM2 tokenizer's ids taken modulo its vocabulary
-(`eval.chat`). It exercises the whole pipeline in seconds; its numbers say nothing about real drafters.
+(`hspec_jax.chat`). It exercises the whole pipeline in seconds; its numbers say nothing about real drafters.
 """
 
 from __future__ import annotations

@@ -3,6 +3,13 @@
 `compile_autoregressive` / `compile_speculative` lower and compile prefill and a decoding chunk once for a batch
 shape, with the caches donated between chunks; `generate_streaming` runs one generation `chunk` steps at a time
 (the command line `eval.generate` streams text this way, `eval.main` times every method through it).
+
+This is one of three drivers of the same jitted loop (`spec_prefill`, `spec_decode_chunk` of `speculative.py`),
+kept apart because each schedules it differently: this one compiles ahead of time for one batch shape, so timing
+never includes compilation and text streams with Ctrl-C between chunks; `speculative.speculative_generate` is one
+call jit-compiled and cached per bucketed shape (the library entry point, and training's real tau, which calls it
+again with new drafter params and reuses the program, where an engine compiled here would be rebuilt);
+`hspec_jax.serving.ServingEngine` batches continuously (slots joined and left between steps, a paged pool).
 """
 
 from __future__ import annotations

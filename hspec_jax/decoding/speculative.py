@@ -18,6 +18,8 @@ inject the new rows into their cache). Without one, every step verifies the draf
 
 Sequences stop at EOS, `max_new_tokens`, or when the cache has no room for another block of k+1 rows.
 `spec_decode` runs the loop to the end; `spec_decode_chunk` runs a few steps of it, for streaming.
+`speculative_generate` drives it in one jit-cached call; `engine.compile_speculative` (ahead-of-time, chunked) and
+`hspec_jax.serving.ServingEngine` (continuous batching) drive it too: why three, in `engine.py`'s docstring.
 Statistics come back with the tokens: steps, accepted drafts, per draft index how often it was reached
 (all earlier drafts accepted), accepted and predicted to be accepted (the drafter's confidence), and how often
 each draft length was chosen, so tau, conditional acceptance rates and calibration can be reported.
