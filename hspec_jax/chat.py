@@ -22,6 +22,12 @@ import numpy as np
 
 from hspec_jax.prompts import Prompt
 
+TOOLS_SYSTEM = (
+    "You can call the functions defined below as JSON schemas.\n<tools>{tools}</tools>\n"
+    "Reply only with the calls that answer the question, as a JSON list inside <tool_call></tool_call>: "
+    '[{{"name": "<function name>", "arguments": {{"<parameter>": <value>}}}}].'
+)
+
 
 def render(
     tokenizer, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None
@@ -81,13 +87,6 @@ def chat_prompt_ids(tokenizer, text: str, system: str | None = None) -> list[int
     """Token ids of a one-turn chat prompt, formatted with the tokenizer's chat template."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
     return chat_ids(tokenizer, messages)
-
-
-TOOLS_SYSTEM = (
-    "You can call the functions defined below as JSON schemas.\n<tools>{tools}</tools>\n"
-    "Reply only with the calls that answer the question, as a JSON list inside <tool_call></tool_call>: "
-    '[{{"name": "<function name>", "arguments": {{"<parameter>": <value>}}}}].'
-)
 
 
 def template_takes_tools(tokenizer) -> bool:
