@@ -21,7 +21,7 @@ import sys
 import jax
 import numpy as np
 
-from benchmarks.common import PROMPTS, cpu_model, write_report
+from benchmarks.common import PROMPTS, write_report
 from hspec_jax.chat import chat_prompt_ids
 from hspec_jax.checkpoints import load_target, load_tokenizer
 from hspec_jax.cli import AUTO, DEFAULT_COMPILE_CACHE, parse_ks
@@ -35,6 +35,7 @@ from hspec_jax.decoding.engine import (
 )
 from hspec_jax.decoding.policy import AdaptivePolicy
 from hspec_jax.drafter_spec import DEFAULT_RECIPES, drafter_config, load_drafter
+from hspec_jax.machine import cpu_model
 
 DRAFTERS = ["smollm2-hspec", "random:hspec", "random:dflash"]
 
