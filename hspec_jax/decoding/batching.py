@@ -1,4 +1,5 @@
-"""Turning text prompts into a right-padded token batch with per-sequence lengths, on bucketed shapes.
+"""Turning token prompts into a right-padded batch with per-sequence lengths, on bucketed shapes (text to token ids:
+`hspec_jax.chat`).
 
 Jitted prefill/decode functions compile once per shape. `bucket` rounds a padded prompt width or a cache capacity
 up to a power of two (at least 16), and `bucketed_shapes` is the one rule the engine entry points (`generate`,
