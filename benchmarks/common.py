@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -31,12 +30,3 @@ def write_report(path: str, lines: list[str]) -> None:
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {path}")
-
-
-def cpu_model() -> str:
-    """The CPU's model name (timings differ between machines of the same kind: print it beside them)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"

@@ -21,10 +21,12 @@ import types
 import jax
 import numpy as np
 
-from benchmarks.common import cpu_model, write_report
-from eval.generate import stop_ids
+from benchmarks.common import write_report
+from hspec_jax.chat import encode, render
 from hspec_jax.decoding import SamplingConfig
-from train.chat import encode, render, user_texts
+from hspec_jax.decoding.engine import stop_ids
+from hspec_jax.machine import cpu_model
+from train.chat import user_texts
 from train.data import load_mixture
 from train.generation import BatchGenerator
 from train.regenerate import build_engine

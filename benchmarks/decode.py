@@ -20,11 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from benchmarks.common import PROMPTS, cpu_model, median_time, write_report
-from eval.generate import compile_autoregressive, generate_streaming
-from eval.machine import read_bandwidth_gbs
+from benchmarks.common import PROMPTS, median_time, write_report
+from hspec_jax.chat import chat_prompt_ids
 from hspec_jax.checkpoints import load_target, load_tokenizer, resolve
-from hspec_jax.decoding import SamplingConfig, chat_prompt_ids, pad_batch
+from hspec_jax.decoding import SamplingConfig, pad_batch
+from hspec_jax.decoding.engine import compile_autoregressive, generate_streaming
+from hspec_jax.machine import cpu_model, read_bandwidth_gbs
 from hspec_jax.models import forward, init_cache, lm_head_matrix
 
 

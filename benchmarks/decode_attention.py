@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import cpu_model, median_time, write_report
+from benchmarks.common import median_time, write_report
+from hspec_jax.machine import cpu_model
 from hspec_jax.models.blocked_attention import blocked_attention
 from hspec_jax.models.decoder import DECODE_BLOCK_K
 from hspec_jax.models.layers import causal_mask, dot_product_attention

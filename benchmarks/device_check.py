@@ -46,6 +46,8 @@ def environment(small: bool):
 
     import jax
 
+    from hspec_jax.machine import cpu_model
+
     devices = jax.devices()
     versions = []
     for name in PACKAGES:
@@ -64,14 +66,6 @@ def environment(small: bool):
     except (OSError, subprocess.TimeoutExpired) as e:
         lines.append(f"- nvidia-smi: not available ({type(e).__name__})")
     yield lines, {"device": devices[0].device_kind, "platform": jax.default_backend()}
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
-    except OSError:
-        return "unknown CPU"
 
 
 def kernel(small: bool):

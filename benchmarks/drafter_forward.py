@@ -22,13 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import cpu_model, median_time, write_report
+from benchmarks.common import median_time, write_report
 from hspec_jax.decoding import SamplingConfig
-from hspec_jax.drafters import draft_block, full_vocab, init_drafter, propose
+from hspec_jax.decoding.proposal import propose
+from hspec_jax.drafters import draft_block, full_vocab, init_drafter
 from hspec_jax.drafters.api import mirrored_target_layers
 from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.drafters.family import compared_kinds
 from hspec_jax.drafters.mamba2 import SCAN_IMPLS, ssd
+from hspec_jax.machine import cpu_model
 from hspec_jax.models.kv_cache import KVCache
 from hspec_jax.recipes import drafter_from_recipe, load_config, target_config
 

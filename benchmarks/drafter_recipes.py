@@ -16,9 +16,10 @@ import platform
 
 import jax
 
-from benchmarks.common import cpu_model, write_report
+from benchmarks.common import write_report
 from benchmarks.drafter_forward import time_step
 from hspec_jax.drafters import init_drafter
+from hspec_jax.machine import cpu_model
 from hspec_jax.recipes import drafter_from_recipe, load_config
 
 

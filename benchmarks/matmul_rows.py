@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import cpu_model, median_time, write_report
+from benchmarks.common import median_time, write_report
+from hspec_jax.machine import cpu_model
 
 ROWS = (1, 2, 4, 8, 16)
 K, N = 576, 1536

@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from benchmarks.common import PROMPTS, cpu_model, median_time, write_report
+from benchmarks.common import PROMPTS, median_time, write_report
 from benchmarks.decode import hf_model
 from hspec_jax.checkpoints import load_target, load_tokenizer
 from hspec_jax.decoding.autoregressive import prefill
+from hspec_jax.machine import cpu_model
 from hspec_jax.models import decoder, init_cache
 
 

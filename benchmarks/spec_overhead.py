@@ -20,14 +20,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import PROMPTS, cpu_model, median_time, write_report
-from eval.generate import compile_autoregressive, compile_speculative, generate_streaming
+from benchmarks.common import PROMPTS, median_time, write_report
+from hspec_jax.chat import chat_prompt_ids
 from hspec_jax.checkpoints import load_target, load_tokenizer
-from hspec_jax.decoding import SamplingConfig, chat_prompt_ids, pad_batch
-from hspec_jax.drafters import draft_block, init_drafter, init_from_target, propose
+from hspec_jax.decoding import SamplingConfig, pad_batch
+from hspec_jax.decoding.engine import compile_autoregressive, compile_speculative, generate_streaming
+from hspec_jax.decoding.proposal import propose
+from hspec_jax.drafters import draft_block, init_drafter, init_from_target
 from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.drafters.family import compared_kinds
 from hspec_jax.drafters.vocab import build_draft_vocab
+from hspec_jax.machine import cpu_model
 from hspec_jax.models import forward, init_cache
 from hspec_jax.recipes import drafter_from_recipe, load_config
 

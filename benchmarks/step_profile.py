@@ -26,12 +26,13 @@ import numpy as np
 from jax._src.lib import _profile_data
 
 from benchmarks.common import write_report
-from eval.machine import cpu_model
 from hspec_jax.checkpoints import load_target
 from hspec_jax.decoding import SamplingConfig
+from hspec_jax.decoding.proposal import propose
 from hspec_jax.decoding.speculative import spec_decode_chunk, spec_prefill
-from hspec_jax.drafters import draft_block, init_drafter, init_from_target, propose
+from hspec_jax.drafters import draft_block, init_drafter, init_from_target
 from hspec_jax.drafters.vocab import build_draft_vocab
+from hspec_jax.machine import cpu_model
 from hspec_jax.models import forward, init_cache
 from hspec_jax.models.layers import for_backend
 from hspec_jax.recipes import drafter_from_recipe, load_config

@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import median_time, write_report
-from eval.machine import cpu_model
 from hspec_jax.checkpoints import load_target
 from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.family import compared_kinds
 from hspec_jax.drafters.vocab import build_draft_vocab
+from hspec_jax.machine import cpu_model
 from hspec_jax.recipes import drafter_from_recipe, load_config
 from train.losses import recipe_weights
 from train.optim import make_optimizer

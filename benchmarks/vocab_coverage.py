@@ -21,11 +21,11 @@ import jax
 import numpy as np
 
 from benchmarks.common import write_report
-from eval.chat import ChatEncoder
-from eval.prompts import TASKS, load_prompts
+from hspec_jax.chat import ChatEncoder
 from hspec_jax.checkpoints.drafter_io import read_drafter_meta
 from hspec_jax.decoding import SamplingConfig
 from hspec_jax.drafters.vocab import draft_vocab_from_counts
+from hspec_jax.prompts import TASKS, load_prompts
 from train.data import load_mixture
 from train.generation import BatchGenerator
 from train.pipeline import supervised_token_counts

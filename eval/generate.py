@@ -35,35 +35,43 @@ the context length, the cache length and the memory the request needs.
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import statistics
 import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hspec_jax import parallel
+from hspec_jax.chat import chat_prompt_ids
 from hspec_jax.checkpoints import load_target, load_tokenizer, read_target_config, resolve
-from hspec_jax.checkpoints.drafter_io import read_drafter_config, resolve_drafter, restore_drafter, trained_drafters
+from hspec_jax.checkpoints.drafter_io import read_drafter_config, resolve_drafter, trained_drafters
 from hspec_jax.cli import (
     EXIT_INTERRUPTED,
+    MAX_K,
     ArgumentParser,
+    draft_length,
     non_negative_float,
     non_negative_int,
     positive_int,
     probability,
     run,
 )
-from hspec_jax.decoding import SamplingConfig, chat_prompt_ids, pad_batch
-from hspec_jax.decoding.autoregressive import decode_chunk, prefill, start_decode
-from hspec_jax.decoding.costs import engine_shape
+from hspec_jax.decoding import SamplingConfig, pad_batch
+from hspec_jax.decoding.engine import (
+    DEFAULT_CHUNK,
+    Engine,
+    Result,
+    compile_autoregressive,
+    compile_speculative,
+    format_chosen,
+    generate_streaming,
+    stop_ids,
+)
 from hspec_jax.decoding.limits import (
     cache_rows,
     check_cache_length,
@@ -73,27 +81,11 @@ from hspec_jax.decoding.limits import (
     tree_bytes,
 )
 from hspec_jax.decoding.policy import AdaptivePolicy
-from hspec_jax.decoding.speculative import SpecStats, measure_costs, spec_decode_chunk, spec_prefill
-from hspec_jax.drafters import DRAFTER_KINDS, init_drafter, init_from_target
-from hspec_jax.drafters.config import check_target
+from hspec_jax.drafter_spec import DEFAULT_RECIPES, RANDOM, drafter_config, load_drafter
+from hspec_jax.drafters import DRAFTER_KINDS, init_drafter
 from hspec_jax.drafters.dflash import drafter_context
-from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.errors import InputError
-from hspec_jax.models import init_cache
-from hspec_jax.models.layers import for_backend
-from hspec_jax.recipes import drafter_from_recipe, load_config
-
-DEFAULT_RECIPES = {"smollm2": "smollm2"}
-MAX_K = 15
-AUTO = "auto"  # --k auto: the adaptive draft length
-# Decoding steps per streamed chunk: the overhead against one uninterrupted loop is measured in
-# benchmarks/results/streaming.md (python -m benchmarks.streaming).
-DEFAULT_CHUNK = 8
-
-
-def draft_length(text: str) -> str | int:
-    """`--k`: "auto" or a positive integer."""
-    return AUTO if text == AUTO else positive_int(text)
+from hspec_jax.recipes import load_config
 
 
 def parse_args(argv: list[str] | None = None):
@@ -154,7 +146,7 @@ def check_args(args) -> None:
         raise InputError("--k sets the drafted tokens per step: it needs --drafter")
     if isinstance(args.k, int) and args.k > MAX_K:
         raise InputError(f"--k must be in 1..{MAX_K}, got {args.k}")
-    random_drafter = args.drafter is not None and args.drafter.startswith("random:")
+    random_drafter = args.drafter is not None and args.drafter.startswith(RANDOM)
     if args.recipe is not None and not random_drafter:
         raise InputError("--recipe builds random:<kind> drafters: it needs --drafter random:<kind>")
     if not args.chat and any(not p for p in args.prompt):
@@ -201,7 +193,10 @@ def plan(args) -> Request:
     top = max(max(p) for p in ids)
     if top >= target.vocab_size:
         raise InputError(f"the tokenizer gives id {top}, outside the model's vocabulary of {target.vocab_size}")
-    drafter = drafter_config(args, target)
+    drafter = None
+    if args.drafter is not None:
+        recipe = args.recipe or DEFAULT_RECIPES.get(args.target)
+        drafter = drafter_config(args.drafter, target, recipe, args.k if isinstance(args.k, int) else None)
     longest = max(len(p) for p in ids)
     check_context(target, longest, args.max_new_tokens)
     lookahead = drafter.num_drafts + 1 if drafter else 0
@@ -216,24 +211,6 @@ def plan(args) -> Request:
     return Request(target, drafter, tokenizer, ids, capacity)
 
 
-def drafter_config(args, target):
-    """The drafter's config (no weights) for `target`, with `--k` applied; None without `--drafter`."""
-    if args.drafter is None:
-        return None
-    if args.drafter.startswith("random:"):
-        config = drafter_from_recipe(
-            load_config(args.recipe or DEFAULT_RECIPES[args.target]), args.drafter.split(":", 1)[1], target
-        )
-    else:
-        config = read_drafter_config(args.drafter)
-    try:
-        check_target(config, target)
-        config = config.replace(target=target)
-        return config.with_drafts(args.k) if isinstance(args.k, int) else config
-    except ValueError as e:
-        raise InputError(f"--drafter {args.drafter}: {e}") from None
-
-
 def drafting_policy(args, drafter) -> AdaptivePolicy | None:
     """The adaptive policy up to the drafter's k for `--k auto` (the default), None for a fixed `--k N`."""
     return None if isinstance(args.k, int) else AdaptivePolicy.for_drafts(drafter.num_drafts)
@@ -243,182 +220,6 @@ def encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]
     if chat:
         return [chat_prompt_ids(tokenizer, p) for p in prompts]
     return [list(tokenizer(p)["input_ids"]) for p in prompts]
-
-
-def stop_ids(config, tokenizer) -> tuple[int, ...]:
-    ids = set(config.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return tuple(sorted(ids))
-
-
-def load_drafter(spec: str, config, target_params, prompt_ids) -> tuple[dict, object]:
-    """(params, draft vocabulary) of the drafter whose config `drafter_config` built."""
-    if spec.startswith("random:"):
-        # The draft vocabulary of an untrained drafter: the prompt's tokens, then the lowest ids.
-        target = config.target
-        stream = np.concatenate(prompt_ids)
-        vocab = build_draft_vocab(stream, target.vocab_size, config.vocab_size, always=target.eos_token_ids)
-        return init_from_target(init_drafter(config, jax.random.key(0)), config, target_params, vocab), vocab
-    _, params, vocab = restore_drafter(spec, config.target, target_params)
-    return params, vocab
-
-
-class Result(NamedTuple):
-    tokens: np.ndarray  # [B, max_new_tokens]
-    num_tokens: np.ndarray  # [B]
-    prefill_seconds: float
-    decode_seconds: float
-    stats: SpecStats | None  # with a drafter
-    interrupted: bool
-
-    @property
-    def seconds(self) -> float:
-        """Prefill plus decoding."""
-        return self.prefill_seconds + self.decode_seconds
-
-
-class Engine(NamedTuple):
-    """Ahead-of-time compiled generation: `start(prompts=None, seed=None)` -> state after prefill (of the compiled
-    prompts and seed, or of new `(tokens, lengths)` of the same shape and a new seed); `step(state, steps)` ->
-    state after at most `steps` (an int32 array) more decoding steps; `view(state)` -> (tokens
-    [B, max_new_tokens], num [B], done [B], stats or None) on the host. One compilation serves every chunk size.
-    `costs`: the adaptive policy's cost table T(k) / T(0) (numpy), None without one."""
-
-    start: Callable
-    step: Callable
-    view: Callable
-    costs: np.ndarray | None = None
-
-
-def generate_streaming(
-    engine: Engine,
-    chunk: int,
-    on_chunk: Callable | None = None,
-    stop: Callable[[], bool] = lambda: False,
-    prompts: tuple | None = None,
-    seed: int | None = None,
-) -> Result:
-    """One generation, `chunk` decoding steps at a time: `on_chunk(tokens, num)` after prefill and after every
-    chunk; stops early (`interrupted`) when `stop()` turns true between chunks. `prompts` / `seed`: see `Engine`."""
-    steps = jnp.int32(chunk)
-    begin = time.perf_counter()
-    state = jax.block_until_ready(engine.start(prompts, seed))
-    prefill_end = time.perf_counter()
-    tokens, num, done, stats = engine.view(state)
-    while True:
-        if on_chunk is not None:
-            on_chunk(tokens, num)
-        if done.all() or stop():
-            break
-        state = engine.step(state, steps)
-        tokens, num, done, stats = engine.view(state)  # waits for the chunk
-    end = time.perf_counter()
-    return Result(tokens, num, prefill_end - begin, end - prefill_end, stats, not done.all())
-
-
-class Placement:
-    """Put params / batch / caches on the mesh (without one: params as `for_backend` gives them, the rest as is)."""
-
-    def __init__(self, mesh, head_dim):
-        self.mesh, self.head_dim = mesh, head_dim
-
-    def params(self, params):
-        """Sharded on the mesh; on one device, as the backend runs them best (`for_backend`: fused on CPU)."""
-        return for_backend(params) if self.mesh is None else parallel.shard_params(params, self.mesh, self.head_dim)
-
-    def batch(self, *arrays):
-        return arrays if self.mesh is None else parallel.shard_batch(self.mesh, *arrays)
-
-    def kv(self, tree):
-        return tree if self.mesh is None else parallel.shard_kv(self.mesh, tree)
-
-
-def compile_autoregressive(
-    params, config, tokens, lengths, capacity, *, max_new_tokens, sampling, eos_ids, pad_id, seed, mesh=None
-) -> Engine:
-    """Compile prefill and a decoding chunk ahead of time; each `start()` uses a fresh cache."""
-    first_rng, loop_rng = jax.random.split(jax.random.key(seed))
-    place = Placement(mesh, config.head_dim)
-    params, (tokens, lengths) = place.params(params), place.batch(tokens, lengths)
-
-    def fresh_cache():
-        return place.kv(init_cache(config, tokens.shape[0], capacity))
-
-    loop = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
-    pre_c = prefill.lower(params, config, tokens, lengths, fresh_cache(), first_rng, sampling).compile()
-    pre = jax.eval_shape(lambda: prefill(params, config, tokens, lengths, fresh_cache(), first_rng, sampling))
-    state = jax.eval_shape(functools.partial(start_decode, **loop), pre.cache, pre.token, loop_rng)
-    step_c = decode_chunk.lower(params, config, state, pre.cache, jnp.int32(1), sampling=sampling, **loop).compile()
-
-    def start(prompts=None, seed=None):
-        prompts = (tokens, lengths) if prompts is None else place.batch(*prompts)
-        first, then = (first_rng, loop_rng) if seed is None else jax.random.split(jax.random.key(seed))
-        out = pre_c(params, *prompts, jax.block_until_ready(fresh_cache()), first)
-        return start_decode(out.cache, out.token, then, **loop), out.cache
-
-    def view(carry):
-        return (*jax.device_get((carry[0].tokens, carry[0].num, carry[0].done)), None)
-
-    return Engine(start, lambda carry, steps: step_c(params, *carry, steps), view)
-
-
-def compile_speculative(
-    target_params,
-    target,
-    drafter_params,
-    drafter,
-    vocab,
-    tokens,
-    lengths,
-    capacity,
-    *,
-    max_new_tokens,
-    sampling,
-    eos_ids,
-    pad_id,
-    seed,
-    mesh=None,
-    policy: AdaptivePolicy | None = None,
-) -> Engine:
-    """As `compile_autoregressive`, for draft-and-verify; `view` also returns the `SpecStats`. With an adaptive
-    `policy`, its step costs for this machine and shape are read from the cache or measured here (`costs.py`)."""
-    rng = jax.random.key(seed)
-    place = Placement(mesh, target.head_dim)
-    target_params, drafter_params = place.params(target_params), place.params(drafter_params)
-    tokens, lengths = place.batch(tokens, lengths)
-
-    def fresh_caches():
-        batch = tokens.shape[0]
-        return place.kv((init_cache(target, batch, capacity), drafter_context(drafter, batch, capacity)))
-
-    kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
-    models = (target_params, target, drafter_params, drafter, vocab)
-    costs = None if policy is None else jnp.ones(len(policy.choices), jnp.float32)
-    pre_c = spec_prefill.lower(*models, tokens, lengths, *fresh_caches(), rng, costs, **kw).compile()
-    carry = jax.eval_shape(lambda: spec_prefill(*models, tokens, lengths, *fresh_caches(), rng, costs, **kw))
-    step_c = spec_decode_chunk.lower(*models, *carry, jnp.int32(1), **kw).compile()
-    run_steps = lambda carry, steps: step_c(target_params, drafter_params, vocab, *carry, jnp.int32(steps))
-
-    def prefill_with(step_costs, prompts=(tokens, lengths), key=rng):
-        caches = jax.block_until_ready(fresh_caches())
-        return pre_c(target_params, drafter_params, vocab, *prompts, *caches, key, step_costs)
-
-    if policy is not None:
-        shape = engine_shape(target, drafter, sampling, tokens.shape[0], capacity)
-        costs = measure_costs(prefill_with, run_steps, policy, shape)
-
-    def start(prompts=None, seed=None):
-        prompts = (tokens, lengths) if prompts is None else place.batch(*prompts)
-        key = rng if seed is None else jax.random.key(seed)
-        return prefill_with(costs, prompts, key)
-
-    def view(carry):
-        s = carry[0]
-        tokens, num, done, stats = jax.device_get((s.tokens[:, :max_new_tokens], s.num, s.done, s.stats))
-        return tokens, num, done, SpecStats(*stats)
-
-    return Engine(start, run_steps, view, None if policy is None else np.asarray(costs))
 
 
 class Interrupt:
@@ -497,13 +298,6 @@ def format_rates(rates: list[float]) -> str:
 
 def format_k(policy: AdaptivePolicy | None, drafter) -> str:
     return f"{drafter.num_drafts}" if policy is None else f"auto (up to {policy.max_drafts})"
-
-
-def format_chosen(choices: tuple[int, ...], stats: SpecStats) -> str:
-    """Share of steps at each draft length, e.g. `k=0:0.81,1:0.12,2:0.07,4:0.00,7:0.00`."""
-    counts = np.asarray(stats.chosen).sum(0)
-    shares = counts / max(int(counts.sum()), 1)
-    return "k=" + ",".join(f"{c}:{x:.2f}" for c, x in zip(choices, shares, strict=True))
 
 
 def speed_lines(prompt_tokens: int, result: Result, batch: int, timed: str) -> list[str]:

@@ -3,7 +3,7 @@
     python -m eval.main --target smollm2 --drafter random:hspec --drafter random:dspark --num-prompts 4 \\
         --out /tmp/eval-smoke
 
-For every prompt of the chosen tasks (`eval.prompts`: math, qa, dialogue, rag, summarization, translation, code,
+For every prompt of the chosen tasks (`hspec_jax.prompts`: math, qa, dialogue, rag, summarization, translation, code,
 tool_use), plain decoding and then each drafter generate up to `--max-new-tokens` tokens per turn, in one
 process, interleaved prompt by prompt. Multi-turn prompts (MT-bench) are answered turn by turn, each method's second
 turn seeing its own first answer. Prompt width and KV capacity are bucketed (`hspec_jax.decoding.bucketed_shapes`)
@@ -23,7 +23,7 @@ identical outputs is reported.
 `--target` takes what `eval.generate` takes (smollm2, an HF directory, a .gguf file, an Orbax target) or
 `random:<recipe>` (e.g. random:tiny): a randomly initialised target of `configs/<recipe>.py`, with weights scaled
 up so greedy choices are far from ties, whose prompts are the SmolLM2 tokenizer's ids taken modulo its vocabulary
-(`eval.chat`). It exercises the whole pipeline in seconds; its numbers say nothing about real drafters.
+(`hspec_jax.chat`). It exercises the whole pipeline in seconds; its numbers say nothing about real drafters.
 """
 
 from __future__ import annotations
@@ -40,42 +40,31 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from eval.chat import ChatEncoder
-from eval.generate import (
-    AUTO,
-    DEFAULT_RECIPES,
-    MAX_K,
-    compile_autoregressive,
-    compile_speculative,
-    drafter_config,
-    generate_streaming,
-    load_drafter,
-    stop_ids,
-)
-from eval.machine import machine_facts
 from eval.memory import kv_bytes_per_token
-from eval.prompts import Prompt, load_prompts, parse_tasks
 from eval.report import PLAIN, write_report
+from hspec_jax.chat import ChatEncoder
 from hspec_jax.checkpoints import CheckpointError, load_target, load_tokenizer
-from hspec_jax.cli import DEFAULT_COMPILE_CACHE, ArgumentParser, check_output_dir, positive_int, run
+from hspec_jax.cli import (
+    AUTO,
+    DEFAULT_COMPILE_CACHE,
+    MAX_K,
+    ArgumentParser,
+    check_output_dir,
+    parse_ks,
+    positive_int,
+    run,
+)
 from hspec_jax.decoding import SamplingConfig, bucketed_shapes, pad_batch
+from hspec_jax.decoding.engine import compile_autoregressive, compile_speculative, generate_streaming, stop_ids
 from hspec_jax.decoding.policy import AdaptivePolicy
+from hspec_jax.drafter_spec import DEFAULT_RECIPES, drafter_config, load_drafter
+from hspec_jax.machine import machine_facts
 from hspec_jax.models import check_capacity, init_params
+from hspec_jax.prompts import Prompt, load_prompts, parse_tasks
 from hspec_jax.recipes import load_config, target_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANDOM_TARGET_SCALE = 4.0  # random targets: 2-D weights x4, so greedy argmaxes are far from ties
-
-
-def parse_ks(text: str) -> tuple[int | str, ...]:
-    """`--k auto,2,7` -> ("auto", 2, 7): distinct draft lengths in 1..MAX_K, or auto (the adaptive policy)."""
-    try:
-        ks = tuple(AUTO if x == AUTO else int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--k takes comma-separated integers or auto, got {text!r}") from None
-    if not all(k == AUTO or 1 <= k <= MAX_K for k in ks) or len(set(ks)) != len(ks):
-        raise argparse.ArgumentTypeError(f"--k takes distinct integers in 1..{MAX_K}, got {text!r}")
-    return ks
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -147,7 +136,6 @@ class Method(NamedTuple):
 
 def load_methods(
     target: Target,
-    target_spec: str,
     drafters: list[str],
     prompt_ids: list[list[int]],
     ks: tuple[int | str, ...] | None = None,
@@ -159,8 +147,7 @@ def load_methods(
     their full block; DFlash and DSpark, bidirectional, propose other (still verified) ones."""
     methods = [Method(PLAIN, None, 0)]
     for spec in drafters:
-        request = argparse.Namespace(drafter=spec, recipe=target.recipe, target=target_spec, k=None)
-        config = drafter_config(request, target.config)
+        config = drafter_config(spec, target.config, target.recipe)
         params, vocab = load_drafter(spec, config, target.params, prompt_ids)
         for k in ks or (None,):
             sized = config.with_drafts(k) if isinstance(k, int) else config
@@ -361,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = load_prompts(parse_tasks(args.tasks), args.num_prompts)
         target = load_eval_target(args.target, args.recipe, args.seed)
         first_turns = [target.encoder.encode(p, []) for p in prompts]
-        methods = load_methods(target, args.target, args.drafter, first_turns, args.k)
+        methods = load_methods(target, args.drafter, first_turns, args.k)
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eval.bootstrap import paired_bootstrap
-from eval.prompts import TASKS
+from hspec_jax.prompts import TASKS
 
 PLAIN = "plain"
 PLOTS = {

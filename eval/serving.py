@@ -50,17 +50,17 @@ import time
 import jax
 import numpy as np
 
-from eval.machine import machine_facts
-from eval.main import DEFAULT_COMPILE_CACHE, Method, Target, load_eval_target, load_methods, parse_ks
-from eval.prompts import load_prompts, parse_tasks
+from eval.main import Method, Target, load_eval_target, load_methods
 from eval.report import PLAIN, fmt
 from hspec_jax.cli import (
+    DEFAULT_COMPILE_CACHE,
     ArgumentParser,
     byte_size,
     check_output_dir,
     int_list,
     non_negative_float,
     non_negative_int,
+    parse_ks,
     positive_int,
     run,
 )
@@ -68,7 +68,9 @@ from hspec_jax.decoding import SamplingConfig, bucket, pad_batch
 from hspec_jax.decoding.speculative import adaptive_costs
 from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.errors import InputError
+from hspec_jax.machine import machine_facts
 from hspec_jax.models import init_cache
+from hspec_jax.prompts import load_prompts, parse_tasks
 from hspec_jax.serving import Completion, Model, Request, ServingConfig, ServingEngine, page_bytes, pages_for
 
 ARRIVALS = ("closed", "poisson")
@@ -413,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target = load_eval_target(args.target, args.recipe, args.seed)
         prompts = request_prompts(target, args.tasks, args.requests)
-        methods = load_methods(target, args.target, args.drafter, prompts, args.k)
+        methods = load_methods(target, args.drafter, prompts, args.k)
     except (ValueError, FileNotFoundError) as e:  # InputError and CheckpointError are ValueErrors too
         raise InputError(str(e)) from None
     max_prompt = args.max_prompt_tokens or max(len(p) for p in prompts)

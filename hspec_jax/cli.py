@@ -24,6 +24,8 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 # Where the tools keep compiled XLA programs between runs (a rerun loads them instead of compiling again).
 DEFAULT_COMPILE_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hspec_jax", "xla")
 EXIT_INTERRUPTED = 130
+MAX_K = 15  # the most drafted tokens per step `--k` takes
+AUTO = "auto"  # --k auto: the adaptive draft length
 
 
 def usage_error(prog: str, message: str) -> str:
@@ -105,6 +107,22 @@ def int_list(text: str) -> list[int]:
     if len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"values repeat in {text!r}")
     return values
+
+
+def draft_length(text: str) -> str | int:
+    """`--k`: "auto" or a positive integer."""
+    return AUTO if text == AUTO else positive_int(text)
+
+
+def parse_ks(text: str) -> tuple[int | str, ...]:
+    """`--k auto,2,7` -> ("auto", 2, 7): distinct draft lengths in 1..MAX_K, or auto (the adaptive policy)."""
+    try:
+        ks = tuple(AUTO if x == AUTO else int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--k takes comma-separated integers or auto, got {text!r}") from None
+    if not all(k == AUTO or 1 <= k <= MAX_K for k in ks) or len(set(ks)) != len(ks):
+        raise argparse.ArgumentTypeError(f"--k takes distinct integers in 1..{MAX_K}, got {text!r}")
+    return ks
 
 
 def check_output_dir(path: str, flag: str = "--out") -> None:

@@ -155,7 +155,7 @@ def smollm2_hf():
 
 @pytest.fixture(scope="session")
 def chat_prompt(smollm2_tokenizer):
-    from hspec_jax.decoding import chat_prompt_ids
+    from hspec_jax.chat import chat_prompt_ids
 
     return chat_prompt_ids(smollm2_tokenizer, "Write a short poem about the sea, then explain its meaning.")
 

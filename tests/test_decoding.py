@@ -73,7 +73,7 @@ def test_ragged_batch_equals_each_sequence_alone(tiny):
 
 @pytest.mark.slow
 def test_ragged_batch_on_smollm2(smollm2, smollm2_tokenizer):
-    from hspec_jax.decoding import chat_prompt_ids
+    from hspec_jax.chat import chat_prompt_ids
 
     config, params = smollm2
     texts = ["What is the capital of France?", "List three colours.", "Say hello in Spanish and in German."]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hspec_jax.decoding import SamplingConfig
+from hspec_jax.decoding.proposal import propose
 from hspec_jax.drafters import (
     DRAFTER_KINDS,
     DFlashConfig,
@@ -18,7 +19,6 @@ from hspec_jax.drafters import (
     empty_context,
     init_drafter,
     init_from_target,
-    propose,
 )
 from hspec_jax.drafters.api import block_inputs, seed_hidden_at
 from hspec_jax.drafters.dflash import drafter_context

@@ -10,9 +10,9 @@ import pytest
 from eval import main as eval_main
 from eval import report as eval_report
 from eval.bootstrap import paired_bootstrap, ratio_gains
-from eval.chat import ChatEncoder, conversation
-from eval.prompts import COUNTS, TASKS, load_prompts, parse_tasks, spread
 from eval.report import PLOTS, write_report
+from hspec_jax.chat import ChatEncoder, conversation
+from hspec_jax.prompts import COUNTS, TASKS, load_prompts, parse_tasks, spread
 
 
 def test_all_eight_tasks_load_with_the_documented_counts():

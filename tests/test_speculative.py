@@ -274,7 +274,7 @@ def test_clear_errors(target_params, prompts):
 @pytest.fixture(scope="module")
 def smollm2_reference(smollm2, smollm2_tokenizer):
     """Three chat prompts and the target's own greedy outputs, alone (batch 1) and as a ragged batch."""
-    from hspec_jax.decoding import chat_prompt_ids
+    from hspec_jax.chat import chat_prompt_ids
 
     target, target_params = smollm2
     texts = ["Name three planets.", "Write one sentence about cats.", "What is 7 times 6?"]

@@ -22,7 +22,8 @@ from hspec_jax.checkpoints.drafter_io import restore_drafter, save_drafter
 from hspec_jax.checkpoints.hf import CheckpointError, export_hf_target
 from hspec_jax.checkpoints.speculators import export_speculators, import_speculators
 from hspec_jax.decoding import SamplingConfig
-from hspec_jax.drafters import draft_block, drafter_config, init_drafter, init_from_target, propose
+from hspec_jax.decoding.proposal import propose
+from hspec_jax.drafters import draft_block, drafter_config, init_drafter, init_from_target
 from hspec_jax.drafters.api import block_inputs
 from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.drafters.mamba2 import DepthwiseConv, MambaConfig, causal_depthwise_conv

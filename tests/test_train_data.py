@@ -8,8 +8,9 @@ import json
 import numpy as np
 import pytest
 
+from hspec_jax.chat import tokenize_conversation
 from hspec_jax.drafters import build_draft_vocab, draft_vocab_from_counts
-from train.chat import normalize_text, to_messages, tokenize_conversation
+from train.chat import normalize_text, to_messages
 from train.data import (
     Conversation,
     LoadedSource,

@@ -1,4 +1,4 @@
-"""Conversations: one message form, text normalisation, and chat rendering with an assistant-only loss mask.
+"""Conversations: one message form and text normalisation (chat-template encoding: `hspec_jax.chat`).
 
 A conversation is a list of messages `{"role": "system" | "user" | "assistant", "content": str}` (the OpenAI
 `messages` form). `to_messages` converts a record in either the OpenAI or the ShareGPT form
@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import re
 import unicodedata
-
-import numpy as np
 
 ROLES = ("system", "user", "assistant")
 # ShareGPT speaker names (and a few aliases found in public dumps) -> role.
@@ -73,43 +71,3 @@ def to_messages(record: dict) -> list[dict] | None:
 
 def user_texts(messages: list[dict]) -> list[str]:
     return [m["content"] for m in messages if m["role"] == "user"]
-
-
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def tokenize_conversation(tokenizer, messages: list[dict], end_of_turn: int | None = None):
-    """(ids `[T]` int32, loss_mask `[T]` bool): the conversation rendered by the tokenizer's chat template, with
-    exactly the assistant tokens supervised, each turn's end-of-turn token (`end_of_turn`, default the tokenizer's
-    EOS, `<|im_end|>` for ChatML) included.
-
-    For each assistant message i the template renders the prompt `messages[:i]` with the generation prompt and
-    the full `messages[:i + 1]`; the text between is the assistant's. Each piece of text is tokenized on its own,
-    exactly as at inference, where the prompt is tokenized and the answer's tokens are generated after it. What
-    the template appends after the end-of-turn token (ChatML: a newline) is not supervised: generation stops
-    at the end-of-turn token, so a drafter never has to predict it. Messages after the last assistant message
-    are dropped. Raises ValueError if the template is not prefix-stable or an assistant turn lacks the
-    end-of-turn token."""
-    end_of_turn = tokenizer.eos_token_id if end_of_turn is None else end_of_turn
-    ids, mask, done_text = [], [], ""
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = render(tokenizer, messages[:i], add_generation_prompt=True)
-        full = render(tokenizer, messages[: i + 1])
-        if not prompt.startswith(done_text) or not full.startswith(prompt):
-            raise ValueError(f"the chat template does not render message {i} as an extension of the previous ones")
-        context = encode(tokenizer, prompt[len(done_text) :])
-        answer = encode(tokenizer, full[len(prompt) :])
-        if end_of_turn not in answer:
-            raise ValueError(f"the chat template closes assistant turns without the end-of-turn token {end_of_turn}")
-        supervised = len(answer) - answer[::-1].index(end_of_turn)
-        ids += context + answer
-        mask += [False] * len(context) + [True] * supervised + [False] * (len(answer) - supervised)
-        done_text = full
-    return np.asarray(ids, np.int32), np.asarray(mask, bool)

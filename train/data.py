@@ -33,6 +33,7 @@ import os
 import re
 
 from hspec_jax.errors import InputError
+from hspec_jax.prompts import load_prompts
 from train.chat import normalize_text, to_messages, user_texts
 from train.jsonl import jsonl_lines
 
@@ -249,7 +250,7 @@ def load_conversations(source: Source) -> list[Conversation]:
 
 def exclude_eval_prompts(conversations: list[Conversation], texts) -> tuple[list[Conversation], int]:
     """(conversations none of whose user turns equals an evaluation text, number dropped); equality after
-    `normalize_text`. `texts`: any iterable of strings (e.g. every turn of `eval.prompts.load_prompts()`)."""
+    `normalize_text`. `texts`: any iterable of strings (e.g. every turn of `hspec_jax.prompts.load_prompts()`)."""
     excluded = {normalize_text(t) for t in texts} - {""}
     kept = [c for c in conversations if not any(normalize_text(t) in excluded for t in user_texts(c.messages))]
     return kept, len(conversations) - len(kept)
@@ -264,13 +265,7 @@ class LoadedSource:
 
 
 def evaluation_texts() -> list[str]:
-    """Every user turn of the evaluation prompt sets (`eval.prompts.load_prompts("all")`), or nothing (with a
-    warning) while that module is not available."""
-    try:
-        from eval.prompts import load_prompts
-    except ImportError:
-        log.warning("eval.prompts is not available: evaluation prompts are not excluded")
-        return []
+    """Every user turn of the evaluation prompt sets (`hspec_jax.prompts.load_prompts("all")`)."""
     return [turn for prompt in load_prompts("all") for turn in prompt.turns]
 
 

@@ -7,8 +7,8 @@ import dataclasses
 import jax
 import numpy as np
 
-from eval.generate import stop_ids
 from hspec_jax.decoding import SamplingConfig, generate, pad_batch
+from hspec_jax.decoding.engine import stop_ids
 
 
 @dataclasses.dataclass(frozen=True)

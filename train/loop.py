@@ -25,6 +25,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from hspec_jax import parallel
+from hspec_jax.chat import chat_prompt_ids
 from hspec_jax.checkpoints import CheckpointError
 from hspec_jax.checkpoints.drafter_io import (
     config_to_dict,
@@ -33,7 +34,7 @@ from hspec_jax.checkpoints.drafter_io import (
     save_drafter,
     target_lm_head,
 )
-from hspec_jax.decoding import chat_prompt_ids, pad_batch
+from hspec_jax.decoding import pad_batch
 from hspec_jax.decoding.speculative import speculative_generate
 from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.config import DrafterConfig

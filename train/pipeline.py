@@ -1,7 +1,7 @@
 """The training input pipeline (Grain): conversations -> packed rows with document ids and anchors -> batches.
 
     conversations of each source: shuffle(seed), repeat (each epoch reshuffled)
-      -> tokenize with the chat template and loss mask (train.chat), truncate to `seq_len`, drop documents
+      -> tokenize with the chat template and loss mask (hspec_jax.chat), truncate to `seq_len`, drop documents
          without supervised tokens
       -> mix the sources by weight -> [first `num_epochs` x (all documents) documents, or endless]
       -> first-fit pack into rows of `seq_len` (grain.experimental.FirstFitPackIterDataset, `packing_bins` bins)
@@ -42,7 +42,7 @@ import dataclasses
 import grain
 import numpy as np
 
-from train.chat import tokenize_conversation
+from hspec_jax.chat import tokenize_conversation
 from train.data import Conversation, LoadedSource, Source, load_mixture
 
 BATCH_KEYS = ("tokens", "positions", "doc_ids", "loss_mask", "anchors", "anchor_valid")

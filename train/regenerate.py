@@ -33,11 +33,13 @@ import time
 
 import numpy as np
 
+from hspec_jax.chat import encode, render
 from hspec_jax.cli import ArgumentParser, non_negative_float, non_negative_int, positive_int, probability, run
 from hspec_jax.decoding import SamplingConfig
+from hspec_jax.decoding.engine import stop_ids
 from hspec_jax.errors import InputError
 from hspec_jax.serving import Model, Request, ServingConfig, ServingEngine
-from train.chat import encode, normalize_text, render, user_texts
+from train.chat import normalize_text, user_texts
 from train.checks import check_sources, target_config
 from train.data import Conversation, evaluation_texts, load_mixture
 from train.dedup import NearDuplicates
@@ -191,8 +193,6 @@ class DataEngine:
 def build_engine(config, params, tokenizer, args) -> ServingEngine:
     """The dense-layout serving engine of the data engine: `--batch-size` slots, prompts up to
     `--max-prompt-tokens`, answers up to `--max-new-tokens`."""
-    from eval.generate import stop_ids
-
     serving = ServingConfig(
         slots=args.batch_size,
         max_prompt_tokens=args.max_prompt_tokens,

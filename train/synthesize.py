@@ -23,10 +23,11 @@ import sys
 
 import jax
 
+from hspec_jax.chat import encode, render
 from hspec_jax.cli import ArgumentParser, non_negative_int, positive_int, probability, run
 from hspec_jax.decoding import SamplingConfig
 from hspec_jax.errors import InputError
-from train.chat import encode, normalize_text, render
+from train.chat import normalize_text
 from train.checks import target_config
 from train.generation import BatchGenerator
 from train.jsonl import JsonlAppender, check_out_file

@@ -1,7 +1,7 @@
 """Decoding: sampling rules, plain autoregressive decoding, and the speculative draft-and-verify loop."""
 
 from hspec_jax.decoding.autoregressive import Generation, decode, generate, prefill
-from hspec_jax.decoding.batching import bucket, bucketed_shapes, chat_ids, chat_prompt_ids, pad_batch
+from hspec_jax.decoding.batching import bucket, bucketed_shapes, pad_batch
 from hspec_jax.decoding.sampling import SamplingConfig, probabilities, sample
 
 __all__ = [
@@ -9,8 +9,6 @@ __all__ = [
     "SamplingConfig",
     "bucket",
     "bucketed_shapes",
-    "chat_ids",
-    "chat_prompt_ids",
     "decode",
     "generate",
     "pad_batch",

@@ -16,13 +16,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hspec_jax import parallel
 from hspec_jax.decoding.batching import bucketed_shapes, pad_to_width
+from hspec_jax.decoding.placement import Placement
 from hspec_jax.decoding.sampling import SamplingConfig, sample
 from hspec_jax.models.config import TargetConfig
 from hspec_jax.models.decoder import forward
 from hspec_jax.models.kv_cache import KVCache, check_capacity, commit, init_cache
-from hspec_jax.models.layers import for_backend
 
 
 class Prefilled(NamedTuple):
@@ -179,13 +178,9 @@ def generate(
     prompts = pad_to_width(jnp.asarray(prompts), width, pad_id)
     rng = jax.random.key(0) if rng is None else rng
     first_rng, loop_rng = jax.random.split(rng)
-    cache = init_cache(config, prompts.shape[0], capacity)
-    if mesh is not None:
-        params = parallel.shard_params(params, mesh, config.head_dim)
-        prompts, lengths = parallel.shard_batch(mesh, prompts, lengths)
-        cache = parallel.shard_kv(mesh, cache)
-    else:
-        params = for_backend(params)
+    place = Placement(mesh, config.head_dim)
+    params, (prompts, lengths) = place.params(params), place.batch(prompts, lengths)
+    cache = place.kv(init_cache(config, prompts.shape[0], capacity))
     pre = prefill(params, config, prompts, lengths, cache, first_rng, sampling)
     return decode(
         params,

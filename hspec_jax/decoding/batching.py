@@ -1,4 +1,5 @@
-"""Turning text prompts into a right-padded token batch with per-sequence lengths, on bucketed shapes.
+"""Turning token prompts into a right-padded batch with per-sequence lengths, on bucketed shapes (text to token ids:
+`hspec_jax.chat`).
 
 Jitted prefill/decode functions compile once per shape. `bucket` rounds a padded prompt width or a cache capacity
 up to a power of two (at least 16), and `bucketed_shapes` is the one rule the engine entry points (`generate`,
@@ -13,20 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 
 MIN_BUCKET = 16
-
-
-def chat_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """Token ids of a chat (`[{"role", "content"}, ...]`) formatted with the tokenizer's chat template, ending
-    with the assistant generation prompt; `tools` (function definitions) go to the template's `tools=`."""
-    kwargs = {"tools": tools} if tools else {}
-    formatted = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
-    return list(tokenizer(formatted, add_special_tokens=False)["input_ids"])
-
-
-def chat_prompt_ids(tokenizer, text: str, system: str | None = None) -> list[int]:
-    """Token ids of a one-turn chat prompt, formatted with the tokenizer's chat template."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    return chat_ids(tokenizer, messages)
 
 
 def bucket(n: int) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,18 +18,15 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from hspec_jax.machine import cpu_model
+
 
 def machine() -> str:
     """The device the costs hold for: the accelerator kind, or the CPU model on CPU."""
     device = jax.devices()[0]
     if device.platform != "cpu":
         return f"{device.platform}:{device.device_kind}:{jax.device_count()}"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        model = platform.processor() or platform.machine()
-    return f"cpu:{model}:{os.cpu_count()}"
+    return f"cpu:{cpu_model()}:{os.cpu_count()}"
 
 
 def cache_dir() -> Path:

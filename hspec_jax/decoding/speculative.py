@@ -18,6 +18,8 @@ inject the new rows into their cache). Without one, every step verifies the draf
 
 Sequences stop at EOS, `max_new_tokens`, or when the cache has no room for another block of k+1 rows.
 `spec_decode` runs the loop to the end; `spec_decode_chunk` runs a few steps of it, for streaming.
+`speculative_generate` drives it in one jit-cached call; `engine.compile_speculative` (ahead-of-time, chunked) and
+`hspec_jax.serving.ServingEngine` (continuous batching) drive it too: why three, in `engine.py`'s docstring.
 Statistics come back with the tokens: steps, accepted drafts, per draft index how often it was reached
 (all earlier drafts accepted), accepted and predicted to be accepted (the drafter's confidence), and how often
 each draft length was chosen, so tau, conditional acceptance rates and calibration can be reported.
@@ -33,11 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hspec_jax import parallel
 from hspec_jax.decoding import costs as cost_model
 from hspec_jax.decoding.acceptance import greedy_accept, speculative_accept
 from hspec_jax.decoding.autoregressive import is_eos
 from hspec_jax.decoding.batching import bucketed_shapes, pad_to_width
+from hspec_jax.decoding.placement import Placement
 from hspec_jax.decoding.policy import (
     AdaptivePolicy,
     PolicyState,
@@ -47,18 +49,17 @@ from hspec_jax.decoding.policy import (
     step_choice,
     wants_draft,
 )
+from hspec_jax.decoding.proposal import propose
 from hspec_jax.decoding.sampling import SamplingConfig, probabilities, sample
 from hspec_jax.drafters.api import decoding_inputs, draft_blocks, inject_context
 from hspec_jax.drafters.config import DrafterConfig, check_target
 from hspec_jax.drafters.dflash import drafter_context
-from hspec_jax.drafters.heads import propose
 from hspec_jax.drafters.inputs import DraftInputs
 from hspec_jax.drafters.output import drafted_slots
 from hspec_jax.drafters.vocab import DraftVocab
 from hspec_jax.models.config import TargetConfig
 from hspec_jax.models.decoder import embedding_matrix, forward
 from hspec_jax.models.kv_cache import KVCache, check_capacity, commit, init_cache
-from hspec_jax.models.layers import for_backend
 
 
 class SpecStats(NamedTuple):
@@ -470,16 +471,14 @@ def speculative_generate(
     rng = jax.random.key(0) if rng is None else rng
     choices_of(drafter, policy)
 
-    def fresh_caches():
-        caches = (init_cache(target, prompts.shape[0], capacity), drafter_context(drafter, prompts.shape[0], capacity))
-        return caches if mesh is None else parallel.shard_kv(mesh, caches)
+    place = Placement(mesh, target.head_dim)
+    target_params, drafter_params = place.params(target_params), place.params(drafter_params)
+    prompts, lengths = place.batch(prompts, lengths)
 
-    if mesh is not None:
-        target_params = parallel.shard_params(target_params, mesh, target.head_dim)
-        drafter_params = parallel.shard_params(drafter_params, mesh, target.head_dim)
-        prompts, lengths = parallel.shard_batch(mesh, prompts, lengths)
-    else:
-        target_params, drafter_params = for_backend(target_params), for_backend(drafter_params)
+    def fresh_caches():
+        batch = prompts.shape[0]
+        return place.kv((init_cache(target, batch, capacity), drafter_context(drafter, batch, capacity)))
+
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
     models = (target_params, target, drafter_params, drafter, vocab)
 

@@ -13,7 +13,6 @@ from hspec_jax.drafters.family import (
     register_family,
     register_kind,
 )
-from hspec_jax.drafters.heads import Proposal, propose
 from hspec_jax.drafters.hspec import HSpec
 from hspec_jax.drafters.inputs import DraftInputs
 from hspec_jax.drafters.mamba2 import MambaConfig
@@ -34,7 +33,6 @@ __all__ = [
     "HSpec",
     "HSpecConfig",
     "MambaConfig",
-    "Proposal",
     "build_draft_vocab",
     "draft_block",
     "draft_blocks",
@@ -46,7 +44,6 @@ __all__ = [
     "full_vocab",
     "init_drafter",
     "init_from_target",
-    "propose",
     "register_family",
     "register_kind",
 ]

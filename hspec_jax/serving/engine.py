@@ -26,6 +26,10 @@ A request that can never be served (an empty prompt, a prompt over `max_prompt_t
 pool) is refused when submitted, with the reason in its `Completion`: never a crash, never a truncated answer. A
 preempted request keeps its submission time; its first token and token times are those of the run that completes.
 Every slot's state lives on the device; the host keeps the page allocator and the per-request bookkeeping.
+
+The fixed-batch drivers (`speculative_generate`, `hspec_jax.decoding.engine.compile_speculative`) run the same loop
+on one batch from prefill to its end; this engine stays separate because requests enter and leave slots between
+steps, prefill is chunked between decoding steps, and the caches are paged.
 """
 
 from __future__ import annotations

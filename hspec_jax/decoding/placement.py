@@ -1,0 +1,25 @@
+"""Where an engine's arrays live: params, the batch and the caches sharded on a mesh, or, on one device, params as
+the backend runs them best. Every decoding driver (`generate`, `speculative_generate`, the compiled `Engine`) places
+its inputs through `Placement`."""
+
+from __future__ import annotations
+
+from hspec_jax import parallel
+from hspec_jax.models.layers import for_backend
+
+
+class Placement:
+    """Put params / batch / caches on the mesh (without one: params as `for_backend` gives them, the rest as is)."""
+
+    def __init__(self, mesh, head_dim):
+        self.mesh, self.head_dim = mesh, head_dim
+
+    def params(self, params):
+        """Sharded on the mesh; on one device, as the backend runs them best (`for_backend`: fused on CPU)."""
+        return for_backend(params) if self.mesh is None else parallel.shard_params(params, self.mesh, self.head_dim)
+
+    def batch(self, *arrays):
+        return arrays if self.mesh is None else parallel.shard_batch(self.mesh, *arrays)
+
+    def kv(self, tree):
+        return tree if self.mesh is None else parallel.shard_kv(self.mesh, tree)

@@ -1,0 +1,48 @@
+"""A drafter named the way the command lines take it: a checkpoint directory, the short name of a drafter shipped
+with the package (`hspec_jax/trained/README.md`), or `random:<kind>`, a randomly initialised drafter of that kind
+built from a recipe (useful for lossless checks and quick runs)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from hspec_jax.checkpoints.drafter_io import read_drafter_config, restore_drafter
+from hspec_jax.drafters import init_drafter, init_from_target
+from hspec_jax.drafters.config import check_target
+from hspec_jax.drafters.vocab import build_draft_vocab
+from hspec_jax.errors import InputError
+from hspec_jax.recipes import drafter_from_recipe, load_config
+
+RANDOM = "random:"
+# The recipe a random drafter follows for a target named by its short name.
+DEFAULT_RECIPES = {"smollm2": "smollm2"}
+
+
+def drafter_config(spec: str, target, recipe: str | None = None, k: int | None = None):
+    """The config (no weights) of drafter `spec` for `target` (a TargetConfig), drafting `k` tokens per step (None:
+    its own k). `recipe` (a name or a configs/<name>.py file) builds `random:<kind>` drafters."""
+    if spec.startswith(RANDOM):
+        if recipe is None:
+            raise InputError(f"a random drafter ({spec}) for this target needs a recipe")
+        config = drafter_from_recipe(load_config(recipe), spec.removeprefix(RANDOM), target)
+    else:
+        config = read_drafter_config(spec)
+    try:
+        check_target(config, target)
+        config = config.replace(target=target)
+        return config if k is None else config.with_drafts(k)
+    except ValueError as e:
+        raise InputError(f"--drafter {spec}: {e}") from None
+
+
+def load_drafter(spec: str, config, target_params: dict, prompt_ids: list[list[int]]) -> tuple[dict, object]:
+    """(params, draft vocabulary) of drafter `spec` whose config `drafter_config` built. A random drafter's draft
+    vocabulary is the prompts' tokens, then the lowest ids."""
+    if spec.startswith(RANDOM):
+        target = config.target
+        stream = np.concatenate(prompt_ids)
+        vocab = build_draft_vocab(stream, target.vocab_size, config.vocab_size, always=target.eos_token_ids)
+        return init_from_target(init_drafter(config, jax.random.key(0)), config, target_params, vocab), vocab
+    _, params, vocab = restore_drafter(spec, config.target, target_params)
+    return params, vocab
