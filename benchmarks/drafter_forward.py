@@ -55,7 +55,9 @@ def drafter_step_fn(config):
             context_kv=context,
             new_context=new_context,
         )
-        proposal = propose(out.logits[:, 1:], block[:, 0], vocab, greedy, rng, params.get("markov_head"))
+        proposal = propose(
+            out.logits[:, config.first_draft_slot :], block[:, 0], vocab, greedy, rng, params.get("markov_head")
+        )
         return proposal.tokens, out.context_kv if config.owns_kv_cache else context
 
     # DFlash's cache is donated and updated in place; H-Spec only reads the target's cache.
