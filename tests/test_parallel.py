@@ -11,8 +11,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from hspec_jax.drafters import init_drafter
-from hspec_jax.drafters.config import DRAFTER_KINDS
+from hspec_jax.drafters import DRAFTER_KINDS, init_drafter
 from hspec_jax.models import init_params
 from hspec_jax.parallel import logical_axes, make_mesh, param_shardings, parse_mesh_spec, spec_for, with_fsdp
 from hspec_jax.recipes import drafter_from_recipe, load_config, target_config
