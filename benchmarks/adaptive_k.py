@@ -25,7 +25,7 @@ from benchmarks.common import PROMPTS, write_report
 from hspec_jax.chat import chat_prompt_ids
 from hspec_jax.checkpoints import load_target, load_tokenizer
 from hspec_jax.cli import AUTO, DEFAULT_COMPILE_CACHE, parse_ks
-from hspec_jax.decoding import SamplingConfig, bucketed_shapes, pad_batch
+from hspec_jax.decoding import Bundle, SamplingConfig, bucketed_shapes, pad_batch
 from hspec_jax.decoding.engine import (
     compile_autoregressive,
     compile_speculative,
@@ -80,9 +80,8 @@ def main(argv=None) -> None:
             policy = AdaptivePolicy.for_drafts(config.num_drafts) if k == AUTO else None
             name = f"{spec} k={k}"
             print(f"compiling {name} ...", flush=True)
-            engines[name] = compile_speculative(
-                params, target, dparams, config, vocab, *padded[0], capacity, **kw, policy=policy
-            )
+            bundle = Bundle(params, target, dparams, config, vocab)
+            engines[name] = compile_speculative(bundle, *padded[0], capacity, **kw, policy=policy)
             if policy is not None:
                 policies[name], costs[name] = policy, engines[name].costs
     seconds = {name: 0.0 for name in engines}

@@ -23,7 +23,7 @@ import numpy as np
 from benchmarks.common import PROMPTS, median_time, write_report
 from hspec_jax.chat import chat_prompt_ids
 from hspec_jax.checkpoints import load_target, load_tokenizer
-from hspec_jax.decoding import SamplingConfig, pad_batch
+from hspec_jax.decoding import Bundle, SamplingConfig, pad_batch
 from hspec_jax.decoding.engine import compile_autoregressive, compile_speculative, generate_streaming
 from hspec_jax.decoding.proposal import propose
 from hspec_jax.drafters import draft_block, init_drafter, init_from_target
@@ -123,9 +123,8 @@ def main(argv=None) -> None:
         per_token.append(t_ar / n)
         cells = []
         for kind, (config, params, vocab) in drafters.items():
-            spec = compile_speculative(
-                target_params, target, params, config, vocab, tokens, lengths, len(ids) + n + k + 1, **kw
-            )
+            bundle = Bundle(target_params, target, params, config, vocab)
+            spec = compile_speculative(bundle, tokens, lengths, len(ids) + n + k + 1, **kw)
             runs = [generate_streaming(spec, n) for _ in range(args.repeats)]
             out, stats = runs[0].tokens, runs[0].stats
             assert np.array_equal(out, ar_out), f"{kind} changed the greedy output"

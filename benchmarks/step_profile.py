@@ -27,7 +27,7 @@ from jax._src.lib import _profile_data
 
 from benchmarks.common import write_report
 from hspec_jax.checkpoints import load_target
-from hspec_jax.decoding import SamplingConfig
+from hspec_jax.decoding import Bundle, SamplingConfig
 from hspec_jax.decoding.proposal import propose
 from hspec_jax.decoding.speculative import spec_decode_chunk, spec_prefill
 from hspec_jax.drafters import draft_block, init_drafter, init_from_target
@@ -190,14 +190,14 @@ def main(argv=None) -> None:
     # One chunk of 8 engine steps (draft-and-verify inside the while loop), per step.
     prompt = jnp.asarray(tokens[None, :64].astype(np.int32))
     kw = dict(max_new_tokens=512, sampling=greedy, eos_ids=(), pad_id=0)
-    models = (params, target, dparams, drafter, vocab)
+    bundle = Bundle(params, target, dparams, drafter, vocab)
     cache = init_cache(target, 1, 64 + 512 + k + 1)
-    state, cache, context = spec_prefill(*models, prompt, jnp.array([64]), cache, (), jax.random.key(0), **kw)
-    compiled = spec_decode_chunk.lower(*models, state, cache, context, jnp.int32(8), **kw).compile()
+    state, cache, context = spec_prefill(bundle, prompt, jnp.array([64]), cache, (), jax.random.key(0), **kw)
+    compiled = spec_decode_chunk.lower(bundle, state, cache, context, jnp.int32(8), **kw).compile()
     carry = [state, cache, context]
 
     def chunk():  # the caches are donated: each call continues from the last one's output
-        carry[:] = compiled(params, dparams, vocab, *carry, jnp.int32(8))
+        carry[:] = compiled(bundle, *carry, jnp.int32(8))
         return carry
 
     wall, cats, top = profile(compiled.as_text(), chunk, max(2, args.calls // 4))

@@ -32,7 +32,7 @@ import numpy as np
 from benchmarks.common import PROMPTS, median_time, write_report
 from hspec_jax.chat import chat_prompt_ids
 from hspec_jax.checkpoints import load_target, load_tokenizer
-from hspec_jax.decoding import SamplingConfig, pad_batch
+from hspec_jax.decoding import Bundle, SamplingConfig, pad_batch
 from hspec_jax.decoding.engine import DEFAULT_CHUNK, compile_autoregressive, compile_speculative, generate_streaming
 from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.vocab import build_draft_vocab
@@ -62,7 +62,7 @@ def main(argv=None) -> None:
     capacity = len(ids) + n + drafter.num_drafts + 1
     engines = {
         "plain": compile_autoregressive(params, target, tokens, lengths, capacity, **kw),
-        "spec": compile_speculative(params, target, dparams, drafter, vocab, tokens, lengths, capacity, **kw),
+        "spec": compile_speculative(Bundle(params, target, dparams, drafter, vocab), tokens, lengths, capacity, **kw),
     }
     sizes = [n, *chunks]
     times = {(mode, size): [] for mode in engines for size in sizes}

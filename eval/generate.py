@@ -61,7 +61,7 @@ from hspec_jax.cli import (
     probability,
     run,
 )
-from hspec_jax.decoding import SamplingConfig, pad_batch
+from hspec_jax.decoding import Bundle, SamplingConfig, pad_batch
 from hspec_jax.decoding.engine import (
     DEFAULT_CHUNK,
     Engine,
@@ -395,11 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             progress("compiling (and, for --k auto, measuring step costs once per machine and shape) ...")
             engine = interrupt.wait_for(
                 compile_speculative,
-                params,
-                config,
-                drafter_params,
-                request.drafter,
-                vocab,
+                Bundle(params, config, drafter_params, request.drafter, vocab),
                 tokens,
                 lengths,
                 request.capacity,

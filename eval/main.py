@@ -54,7 +54,7 @@ from hspec_jax.cli import (
     positive_int,
     run,
 )
-from hspec_jax.decoding import SamplingConfig, bucketed_shapes, pad_batch
+from hspec_jax.decoding import Bundle, SamplingConfig, bucketed_shapes, pad_batch
 from hspec_jax.decoding.engine import compile_autoregressive, compile_speculative, generate_streaming, stop_ids
 from hspec_jax.decoding.policy import AdaptivePolicy
 from hspec_jax.drafter_spec import DEFAULT_RECIPES, drafter_config, load_drafter
@@ -227,9 +227,8 @@ class Evaluation:
                 self.runners[key] = compile_autoregressive(t.params, t.config, tokens, lengths, capacity, **kw)
             else:
                 config, params, vocab = method.drafter
-                self.runners[key] = compile_speculative(
-                    t.params, t.config, params, config, vocab, tokens, lengths, capacity, **kw, policy=method.policy
-                )
+                bundle = Bundle(t.params, t.config, params, config, vocab)
+                self.runners[key] = compile_speculative(bundle, tokens, lengths, capacity, **kw, policy=method.policy)
             progress.set_postfix_str("")
         self.kv_peak[method.name] = max(self.kv_peak[method.name], tokens.shape[0] * capacity)
         return self.runners[key]

@@ -64,14 +64,13 @@ from hspec_jax.cli import (
     positive_int,
     run,
 )
-from hspec_jax.decoding import SamplingConfig, bucket, pad_batch
+from hspec_jax.decoding import Bundle, SamplingConfig, bucket, pad_batch
+from hspec_jax.decoding.bundle import init_caches
 from hspec_jax.decoding.speculative import adaptive_costs
-from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.errors import InputError
 from hspec_jax.machine import machine_facts
-from hspec_jax.models import init_cache
 from hspec_jax.prompts import load_prompts, parse_tasks
-from hspec_jax.serving import Completion, Model, Request, ServingConfig, ServingEngine, page_bytes, pages_for
+from hspec_jax.serving import Completion, Request, ServingConfig, ServingEngine, page_bytes, pages_for
 
 ARRIVALS = ("closed", "poisson")
 PLOTS = {
@@ -135,31 +134,26 @@ def request_prompts(target: Target, tasks: str, count: int) -> list[list[int]]:
     return [target.encoder.encode(interleaved[i % len(interleaved)], []) for i in range(count)]
 
 
-def served(target: Target, method: Method) -> Model:
+def served(target: Target, method: Method) -> Bundle:
     if method.drafter is None:
-        return Model(target.params, target.config)
+        return Bundle(target.params, target.config)
     config, params, vocab = method.drafter
-    return Model(target.params, target.config, params, config, vocab)
+    return Bundle(target.params, target.config, params, config, vocab)
 
 
-def policy_costs(model: Model, method: Method, slots: int, prompt: list[int], args):
+def policy_costs(bundle: Bundle, method: Method, slots: int, prompt: list[int], args):
     """The adaptive policy's cost table at `slots` sequences (None for a fixed k): cached, or measured on the
     contiguous-cache loop at that batch, every sequence answering `prompt`."""
     if method.policy is None:
         return None
     tokens, lengths = pad_batch([prompt] * slots, 0, bucket(len(prompt)))
-    capacity = bucket(tokens.shape[1] + args.max_new_tokens + model.lookahead)
-
-    def fresh_caches():
-        return init_cache(model.target, slots, capacity), drafter_context(model.drafter, slots, capacity)
-
+    capacity = bucket(tokens.shape[1] + args.max_new_tokens + bundle.lookahead)
     sampling = SamplingConfig(temperature=args.temperature)
-    models = (model.target_params, model.target, model.drafter_params, model.drafter, model.vocab)
     return adaptive_costs(
-        models,
+        bundle,
         tokens,
         lengths,
-        fresh_caches,
+        lambda: init_caches(bundle, slots, capacity),
         capacity,
         jax.random.key(args.seed),
         policy=method.policy,
@@ -168,12 +162,12 @@ def policy_costs(model: Model, method: Method, slots: int, prompt: list[int], ar
     )
 
 
-def pool_pages(model: Model, args, slots: int, max_prompt: int) -> int:
+def pool_pages(bundle: Bundle, args, slots: int, max_prompt: int) -> int:
     """Pages of the pool (the null page included): what the budget pays for, or room for every slot's longest
     request."""
     if args.memory_budget is not None:
-        return args.memory_budget // sum(page_bytes(model.target, model.drafter, args.page_size))
-    longest = pages_for(max_prompt + args.max_new_tokens + model.lookahead, args.page_size)
+        return args.memory_budget // sum(page_bytes(bundle.target, bundle.drafter, args.page_size))
+    longest = pages_for(max_prompt + args.max_new_tokens + bundle.lookahead, args.page_size)
     return slots * longest + 1
 
 
@@ -222,7 +216,7 @@ def inter_token_latencies(c: Completion) -> list[float]:
     return out
 
 
-def measure(engine: ServingEngine, completions: list[Completion], start: float, model: Model, args) -> dict:
+def measure(engine: ServingEngine, completions: list[Completion], start: float, bundle: Bundle, args) -> dict:
     """The row of one method x concurrency (see the module docstring)."""
     answered = [c for c in completions if c.refused is None]
     tokens = sum(len(c.tokens) for c in answered)
@@ -230,7 +224,7 @@ def measure(engine: ServingEngine, completions: list[Completion], start: float, 
     ttft = [c.first_token - c.submitted for c in answered]
     itl = [x for c in answered for x in inter_token_latencies(c)]
     steps = sum(c.steps for c in answered)
-    target_page, drafter_page = page_bytes(model.target, model.drafter, args.page_size)
+    target_page, drafter_page = page_bytes(bundle.target, bundle.drafter, args.page_size)
     usable = engine.allocator.usable
     occupancy = np.asarray(engine.occupancy or [0])
     return {
@@ -263,10 +257,10 @@ def measure(engine: ServingEngine, completions: list[Completion], start: float, 
 
 def serve(target: Target, method: Method, slots: int, prompts: list[list[int]], args, max_prompt: int) -> dict:
     """Warm up (compile) then time one method at one concurrency -> its row."""
-    model = served(target, method)
+    bundle = served(target, method)
     config = ServingConfig(
         slots=slots,
-        num_pages=max(pool_pages(model, args, slots, max_prompt), 2),
+        num_pages=max(pool_pages(bundle, args, slots, max_prompt), 2),
         page_size=args.page_size,
         max_prompt_tokens=max_prompt,
         max_new_tokens=args.max_new_tokens,
@@ -278,15 +272,15 @@ def serve(target: Target, method: Method, slots: int, prompts: list[list[int]], 
         seed=args.seed,
         policy=method.policy,
     )
-    costs = policy_costs(model, method, slots, min(prompts, key=len), args)
-    engine = ServingEngine(model, config, costs=costs)
+    costs = policy_costs(bundle, method, slots, min(prompts, key=len), args)
+    engine = ServingEngine(bundle, config, costs=costs)
     if engine.submit(Request("warm-up", tuple(min(prompts, key=len)))) is None:  # compiles the engine's programs
         while engine.busy:
             engine.step()
     engine.reset_counters()
     completions, start = drive(engine, prompts, slots, args)
     return {"method": method.name, "kind": "plain" if method.drafter is None else method.drafter[0].kind} | measure(
-        engine, completions, start, model, args
+        engine, completions, start, bundle, args
     )
 
 

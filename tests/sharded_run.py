@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hspec_jax.decoding import generate, pad_batch
+from hspec_jax.decoding.bundle import Bundle
 from hspec_jax.decoding.speculative import speculative_generate
 from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.vocab import build_draft_vocab
@@ -40,7 +41,7 @@ for spec in ("single", "data=8", "data=4,model=2", "data=2,model=4"):
     out = {"ar": np.asarray(generate(params, target, tokens, lengths, max_new_tokens=20, mesh=mesh).tokens).tolist()}
     for kind, (config, dparams) in drafters.items():
         gen = speculative_generate(
-            params, target, dparams, config, vocab, tokens, lengths, max_new_tokens=20, mesh=mesh
+            Bundle(params, target, dparams, config, vocab), tokens, lengths, max_new_tokens=20, mesh=mesh
         )
         out[kind] = np.asarray(gen.tokens).tolist()
         if mesh is not None:

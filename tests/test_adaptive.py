@@ -21,7 +21,7 @@ from test_speculative import (
     target_params as target_params,
 )
 
-from hspec_jax.decoding import SamplingConfig, generate, pad_batch
+from hspec_jax.decoding import Bundle, SamplingConfig, generate, pad_batch
 from hspec_jax.decoding import costs as cost_model
 from hspec_jax.decoding.policy import (
     AdaptivePolicy,
@@ -107,11 +107,7 @@ def generate_auto(target, params, config, vocab, prompts, costs, **kw):
     tokens, lengths = pad_batch(prompts)
     policy = AdaptivePolicy.for_drafts(config.num_drafts)
     return speculative_generate(
-        target,
-        TARGET,
-        params,
-        config,
-        vocab,
+        Bundle(target, TARGET, params, config, vocab),
         jnp.asarray(tokens),
         jnp.asarray(lengths),
         policy=policy,
@@ -187,21 +183,21 @@ def test_drafter_state_after_plain_steps_is_what_a_fresh_prefill_gives(kind, tar
     config, params, vocab = random_drafter(kind, target_params, np.concatenate(prompts))
     prompt, capacity, plain_steps = prompts[1], 64, 6
     kw = dict(max_new_tokens=32, policy=POLICY)
-    models = (target_params, TARGET, params, config, vocab)
+    bundle = Bundle(target_params, TARGET, params, config, vocab)
 
     def prefill(tokens):
         caches = (init_cache(TARGET, 1, capacity), drafter_context(config, 1, capacity))
         return spec_prefill(
-            *models, jnp.asarray([tokens]), jnp.asarray([len(tokens)]), *caches, jax.random.key(0), CPU_LIKE, **kw
+            bundle, jnp.asarray([tokens]), jnp.asarray([len(tokens)]), *caches, jax.random.key(0), CPU_LIKE, **kw
         )
 
     state, cache, context = prefill(prompt)
     state = state._replace(choice=jnp.int32(0), policy=state.policy._replace(costs=pinned_costs(POLICY, 0)))
-    state, cache, context = spec_decode_chunk(*models, state, cache, context, plain_steps, **kw)
+    state, cache, context = spec_decode_chunk(bundle, state, cache, context, plain_steps, **kw)
     assert int(state.num[0]) == plain_steps + 1
     # One more plain step, after which the policy drafts (a free cost table for k = 7).
     state = state._replace(policy=state.policy._replace(costs=pinned_costs(POLICY, 4)))
-    state, cache, context = spec_decode_chunk(*models, state, cache, context, 1, **kw)
+    state, cache, context = spec_decode_chunk(bundle, state, cache, context, 1, **kw)
     emitted = [int(t) for t in np.asarray(state.tokens[0, : int(state.num[0])])]
     fresh, fresh_cache, fresh_context = prefill(prompt + emitted[:-1])
     assert int(fresh.anchor[0]) == emitted[-1] == int(state.anchor[0])

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hspec_jax.decoding import bucket, bucketed_shapes, generate
+from hspec_jax.decoding import Bundle, bucket, bucketed_shapes, generate
 from hspec_jax.decoding.autoregressive import decode, prefill
 from hspec_jax.decoding.speculative import spec_decode, spec_prefill, speculative_generate
 from hspec_jax.drafters import init_drafter, init_from_target
@@ -58,6 +58,21 @@ def test_speculative_prompt_lengths_5_and_6_compile_once(target_params):
     counts = []
     for n in (5, 6):
         prompt = jnp.asarray(rng.integers(4, TARGET.vocab_size, (1, n)), jnp.int32)
-        speculative_generate(target_params, TARGET, params, drafter, vocab, prompt, jnp.array([n]), **KW)
+        speculative_generate(Bundle(target_params, TARGET, params, drafter, vocab), prompt, jnp.array([n]), **KW)
+        counts.append(compilations(spec_prefill, spec_decode))
+    assert counts[1] == counts[0]
+
+
+def test_new_params_of_the_same_shapes_compile_nothing(target_params):
+    """A `Bundle`'s configs are static and its params and vocabulary leaves: new target and drafter params of the
+    same shapes (what training's real tau passes after every evaluation) reuse the compiled prefill and loop."""
+    drafter = drafter_from_recipe(RECIPE, "hspec", TARGET)
+    prompt, length = jnp.asarray([[5, 6, 7, 8, 9]], jnp.int32), jnp.array([5])
+    counts = []
+    for seed in (1, 2):
+        vocab = build_draft_vocab(np.arange(seed, TARGET.vocab_size), TARGET.vocab_size, drafter.vocab_size)
+        params = init_from_target(init_drafter(drafter, jax.random.key(seed)), drafter, target_params, vocab)
+        target = jax.tree.map(lambda x, seed=seed: x * seed, target_params)
+        speculative_generate(Bundle(target, TARGET, params, drafter, vocab), prompt, length, **KW)
         counts.append(compilations(spec_prefill, spec_decode))
     assert counts[1] == counts[0]

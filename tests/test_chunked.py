@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hspec_jax.decoding import SamplingConfig, pad_batch
+from hspec_jax.decoding import Bundle, SamplingConfig, pad_batch
 from hspec_jax.decoding.autoregressive import decode_chunk, prefill, start_decode
 from hspec_jax.decoding.speculative import spec_decode_chunk, spec_prefill
 from hspec_jax.drafters import init_drafter, init_from_target
@@ -68,17 +68,17 @@ def test_chunked_speculative_decoding_equals_one_loop(params, batch):
     vocab = build_draft_vocab(np.asarray(tokens), TARGET.vocab_size, drafter.vocab_size, always=EOS)
     dparams = init_from_target(init_drafter(drafter, jax.random.key(1)), drafter, params, vocab)
     kw = dict(max_new_tokens=NEW, sampling=sampling, eos_ids=EOS, pad_id=0)
-    models = (params, TARGET, dparams, drafter, vocab)
+    bundle = Bundle(params, TARGET, dparams, drafter, vocab)
 
     def prefilled():
         caches = init_cache(TARGET, 3, 44), drafter_context(drafter, 3, 44)
-        return spec_prefill(*models, tokens, lengths, *caches, jax.random.key(5), **kw)
+        return spec_prefill(bundle, tokens, lengths, *caches, jax.random.key(5), **kw)
 
-    whole = spec_decode_chunk(*models, *prefilled(), NEW, **kw)[0]
+    whole = spec_decode_chunk(bundle, *prefilled(), NEW, **kw)[0]
     assert bool(whole.done.all())
     state, cache, context = prefilled()
     while not bool(state.done.all()):
-        state, cache, context = spec_decode_chunk(*models, state, cache, context, 2, **kw)
+        state, cache, context = spec_decode_chunk(bundle, state, cache, context, 2, **kw)
     np.testing.assert_array_equal(state.tokens, whole.tokens)
     np.testing.assert_array_equal(state.num, whole.num)
     for mine, theirs in zip(state.stats, whole.stats, strict=True):

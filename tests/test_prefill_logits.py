@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hspec_jax.decoding import Bundle
 from hspec_jax.decoding.autoregressive import prefill
 from hspec_jax.decoding.speculative import spec_prefill
 from hspec_jax.drafters import init_drafter
@@ -44,7 +45,7 @@ def test_prefill_never_forms_logits_for_every_prompt_position():
 
     context = drafter_context(drafter, batch, capacity)
     spec = spec_prefill.trace(
-        params, target, dparams, drafter, vocab, prompts, lengths, cache, context, key, max_new_tokens=8
+        Bundle(params, target, dparams, drafter, vocab), prompts, lengths, cache, context, key, max_new_tokens=8
     )
     plain = prefill.trace(params, target, prompts, lengths, cache, key)
     for jaxpr in (spec.jaxpr, plain.jaxpr):

@@ -14,7 +14,7 @@ import pytest
 
 from eval import serving as eval_serving
 from hspec_jax.cli import run
-from hspec_jax.decoding import generate, pad_batch
+from hspec_jax.decoding import Bundle, generate, pad_batch
 from hspec_jax.decoding.policy import AdaptivePolicy
 from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.vocab import build_draft_vocab
@@ -22,7 +22,6 @@ from hspec_jax.models import init_cache, init_params
 from hspec_jax.recipes import drafter_from_recipe, target_config
 from hspec_jax.serving import (
     NULL_PAGE,
-    Model,
     PageAllocator,
     Request,
     ServingConfig,
@@ -123,21 +122,21 @@ def alone(target_params, prompts):
     return answers
 
 
-def served_model(kind, target_params, prompts):
+def served_bundle(kind, target_params, prompts):
     if kind == "plain":
-        return Model(target_params, TARGET)
+        return Bundle(target_params, TARGET)
     config = drafter_from_recipe(RECIPE, kind, TARGET)
     vocab = build_draft_vocab(np.concatenate(prompts), TARGET.vocab_size, config.vocab_size, always=(EOS,))
     params = init_from_target(
         jax.jit(init_drafter, static_argnums=0)(config, jax.random.key(1)), config, target_params, vocab
     )
-    return Model(target_params, TARGET, params, config, vocab)
+    return Bundle(target_params, TARGET, params, config, vocab)
 
 
-def small_pool_config(model: Model, prompts, policy=None) -> ServingConfig:
+def small_pool_config(bundle: Bundle, prompts, policy=None) -> ServingConfig:
     """Two slots, prompts longer than a prefill chunk, a pool for one full request and a bit (two must preempt)."""
     page = 4
-    one_request = -(-(max(map(len, prompts)) + MAX_NEW + model.lookahead) // page)
+    one_request = -(-(max(map(len, prompts)) + MAX_NEW + bundle.lookahead) // page)
     return ServingConfig(
         slots=2,
         num_pages=one_request + 5,
@@ -160,10 +159,10 @@ def test_continuous_batching_is_lossless(kind, adaptive, target_params, prompts,
     """Two slots, six requests arriving over time, prompts longer than a prefill chunk, and a pool too small for
     two full requests (preemption): every answer equals plain decoding of the request alone, with a fixed k or
     the adaptive draft length."""
-    model = served_model(kind, target_params, prompts)
-    policy = AdaptivePolicy.for_drafts(model.drafter.num_drafts) if adaptive else None
+    bundle = served_bundle(kind, target_params, prompts)
+    policy = AdaptivePolicy.for_drafts(bundle.drafter.num_drafts) if adaptive else None
     costs = ADAPTIVE_COSTS if adaptive else None
-    engine = ServingEngine(model, small_pool_config(model, prompts, policy), costs=costs)
+    engine = ServingEngine(bundle, small_pool_config(bundle, prompts, policy), costs=costs)
     assert engine.submit(Request("too-long", (5,) * 25)).refused.startswith("prompt of 25 tokens exceeds")
     done = {}
     arrivals = {0: [0, 1], 2: [2], 3: [3], 6: [4, 5]}  # iteration -> requests submitted then
@@ -184,8 +183,8 @@ def test_continuous_batching_is_lossless(kind, adaptive, target_params, prompts,
         np.testing.assert_array_equal(c.tokens, alone[i], err_msg=f"request r{i}")
         assert c.first_token is not None and c.submitted <= c.first_token <= c.finished
         assert sum(n for _, n in c.bursts) == len(c.tokens)
-        if model.drafter is not None:
-            assert c.steps >= 1 and 0 <= c.accepted <= c.steps * model.drafter.num_drafts
+        if bundle.drafter is not None:
+            assert c.steps >= 1 and 0 <= c.accepted <= c.steps * bundle.drafter.num_drafts
     if adaptive:
         chosen = np.asarray(engine.state.stats.chosen).sum(0)
         assert chosen[0] > 0 and chosen[1:].sum() > 0, chosen  # plain steps and drafted ones
@@ -195,9 +194,9 @@ def test_continuous_batching_is_lossless(kind, adaptive, target_params, prompts,
 def test_dense_layout_is_lossless_and_never_preempts(kind, target_params, prompts, alone):
     """The dense layout (one contiguous cache row per slot, the data engine's): six requests on two slots, long
     prompts in chunks: every answer equals decoding it alone, nothing is preempted, and a page count is refused."""
-    model = served_model(kind, target_params, prompts)
-    config = dataclasses.replace(small_pool_config(model, prompts), num_pages=None, layout="dense")
-    engine = ServingEngine(model, config)
+    bundle = served_bundle(kind, target_params, prompts)
+    config = dataclasses.replace(small_pool_config(bundle, prompts), num_pages=None, layout="dense")
+    engine = ServingEngine(bundle, config)
     assert engine.cache.k[0].shape[:2] == (2, engine.max_pages * config.page_size)
     for i, prompt in enumerate(prompts):
         assert engine.submit(Request(f"r{i}", prompt)) is None
@@ -208,7 +207,7 @@ def test_dense_layout_is_lossless_and_never_preempts(kind, target_params, prompt
     for i in range(len(prompts)):
         np.testing.assert_array_equal(done[f"r{i}"].tokens, alone[i], err_msg=f"request r{i}")
     with pytest.raises(ValueError, match="dense layout holds every slot at its longest"):
-        ServingEngine(model, dataclasses.replace(config, num_pages=config.slots * engine.max_pages))
+        ServingEngine(bundle, dataclasses.replace(config, num_pages=config.slots * engine.max_pages))
     with pytest.raises(ValueError, match="layout must be one of paged, dense"):
         dataclasses.replace(config, layout="ring")
 
@@ -217,8 +216,8 @@ def test_dense_layout_is_lossless_and_never_preempts(kind, target_params, prompt
 def test_load_generator_sends_every_request(arrival, target_params, prompts, alone):
     """`eval.serving.drive`: closed-loop clients (one per slot) or Poisson arrivals; every request is answered, as
     if alone (the engine of the lossless test: already compiled)."""
-    model = served_model("plain", target_params, prompts)
-    engine = ServingEngine(model, small_pool_config(model, prompts))
+    bundle = served_bundle("plain", target_params, prompts)
+    engine = ServingEngine(bundle, small_pool_config(bundle, prompts))
     args = argparse.Namespace(arrival=arrival, rate=200.0, seed=0)
     completions, start = eval_serving.drive(engine, [list(p) for p in prompts], 2, args)
     by_id = {c.request.id: c for c in completions}

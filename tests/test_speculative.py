@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from hspec_jax.decoding import SamplingConfig, generate, pad_batch, probabilities
+from hspec_jax.decoding import Bundle, SamplingConfig, generate, pad_batch, probabilities
 from hspec_jax.decoding.acceptance import greedy_accept, speculative_accept
 from hspec_jax.decoding.speculative import speculative_generate
 from hspec_jax.drafters import DRAFTER_KINDS, full_vocab, init_drafter, init_from_target
@@ -48,11 +48,7 @@ def test_greedy_is_lossless_for_every_drafter(kind, target_params, prompts):
     config, params, vocab = random_drafter(kind, target_params, np.concatenate(prompts))
     ar = generate(target_params, TARGET, jnp.asarray(tokens), jnp.asarray(lengths), max_new_tokens=30, eos_ids=(EOS,))
     spec = speculative_generate(
-        target_params,
-        TARGET,
-        params,
-        config,
-        vocab,
+        Bundle(target_params, TARGET, params, config, vocab),
         jnp.asarray(tokens),
         jnp.asarray(lengths),
         max_new_tokens=30,
@@ -61,11 +57,7 @@ def test_greedy_is_lossless_for_every_drafter(kind, target_params, prompts):
     np.testing.assert_array_equal(np.asarray(spec.num_tokens), np.asarray(ar.num_tokens))
     np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
     alone = speculative_generate(
-        target_params,
-        TARGET,
-        params,
-        config,
-        vocab,
+        Bundle(target_params, TARGET, params, config, vocab),
         jnp.asarray([prompts[1]]),
         jnp.asarray([len(prompts[1])]),
         max_new_tokens=30,
@@ -115,11 +107,7 @@ def test_greedy_lossless_with_a_drafter_that_is_usually_right(kind, target_param
             target, TARGET, jnp.asarray(tokens), jnp.asarray(lengths), max_new_tokens=max_new, eos_ids=eos_ids
         )
         spec = speculative_generate(
-            target,
-            TARGET,
-            params,
-            config,
-            vocab,
+            Bundle(target, TARGET, params, config, vocab),
             jnp.asarray(tokens),
             jnp.asarray(lengths),
             max_new_tokens=max_new,
@@ -136,7 +124,7 @@ def test_stats_count_acceptance(target_params, prompts):
     config, params, vocab = oracle_drafter("hspec", target)
     tokens, lengths = pad_batch(prompts)
     spec = speculative_generate(
-        target, TARGET, params, config, vocab, jnp.asarray(tokens), jnp.asarray(lengths), max_new_tokens=33
+        Bundle(target, TARGET, params, config, vocab), jnp.asarray(tokens), jnp.asarray(lengths), max_new_tokens=33
     )
     # 1 token from prefill, then 4 steps of 8 accepted tokens each.
     np.testing.assert_array_equal(np.asarray(spec.stats.steps), [4, 4, 4])
@@ -175,11 +163,7 @@ def test_sampled_outputs_follow_the_target_distribution(layer_scale, noise, expe
     sampling = SamplingConfig(temperature=1.0, top_k=3)
     prompt, n, length = [7, 19, 33, 41, 5], 6000, 3
     spec = speculative_generate(
-        target,
-        TARGET,
-        params,
-        config,
-        vocab,
+        Bundle(target, TARGET, params, config, vocab),
         jnp.asarray([prompt] * n),
         jnp.asarray([len(prompt)] * n),
         max_new_tokens=length,
@@ -202,11 +186,7 @@ def test_sampled_outputs_follow_the_target_distribution(layer_scale, noise, expe
     assert tv < 0.05
     # Acceptance statistics of the steps that verified a full block (max_new_tokens=3 stops after one step).
     long_run = speculative_generate(
-        target,
-        TARGET,
-        params,
-        config,
-        vocab,
+        Bundle(target, TARGET, params, config, vocab),
         jnp.asarray([prompt] * 64),
         jnp.asarray([len(prompt)] * 64),
         max_new_tokens=60,
@@ -247,11 +227,7 @@ def test_clear_errors(target_params, prompts):
     config, params, vocab = random_drafter("hspec", target_params, np.concatenate(prompts))
     with pytest.raises(ValueError, match="does not fit in a KV cache of 16 rows"):
         speculative_generate(
-            target_params,
-            TARGET,
-            params,
-            config,
-            vocab,
+            Bundle(target_params, TARGET, params, config, vocab),
             jnp.ones((1, 10), jnp.int32),
             jnp.array([10]),
             max_new_tokens=8,
@@ -260,11 +236,7 @@ def test_clear_errors(target_params, prompts):
     other = TARGET.replace(num_kv_heads=4)
     with pytest.raises(ValueError, match="num_kv_heads: drafter expects 2, target has 4"):
         speculative_generate(
-            init_params(other, jax.random.key(0)),
-            other,
-            params,
-            config,
-            vocab,
+            Bundle(init_params(other, jax.random.key(0)), other, params, config, vocab),
             jnp.ones((1, 4), jnp.int32),
             jnp.array([4]),
             max_new_tokens=4,
@@ -301,6 +273,6 @@ def test_greedy_lossless_on_smollm2(kind, smollm2, smollm2_reference):
     )
     params = init_from_target(init_drafter(config, jax.random.key(0)), config, target_params, vocab)
     for tokens, lengths, ar in cases:  # batch 1, then a ragged batch of 3
-        spec = speculative_generate(target_params, target, params, config, vocab, tokens, lengths, **kw)
+        spec = speculative_generate(Bundle(target_params, target, params, config, vocab), tokens, lengths, **kw)
         np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
         np.testing.assert_array_equal(np.asarray(spec.num_tokens), np.asarray(ar.num_tokens))

@@ -35,6 +35,7 @@ from hspec_jax.checkpoints.drafter_io import (
     target_lm_head,
 )
 from hspec_jax.decoding import pad_batch
+from hspec_jax.decoding.bundle import Bundle
 from hspec_jax.decoding.speculative import speculative_generate
 from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.config import DrafterConfig
@@ -302,11 +303,7 @@ def real_tau(run: Run, params: dict) -> dict:
     it with the same prompts): tau and acceptance by position."""
     tokens, lengths = pad_batch(run.held_out, pad_id=run.target.eos_token_ids[0])
     gen = speculative_generate(
-        run.target_params,
-        run.target,
-        params,
-        run.drafter,
-        run.vocab,
+        Bundle(run.target_params, run.target, params, run.drafter, run.vocab),
         jnp.asarray(tokens),
         jnp.asarray(lengths),
         max_new_tokens=run.config.train.eval_max_new_tokens,

@@ -35,10 +35,10 @@ import numpy as np
 
 from hspec_jax.chat import encode, render
 from hspec_jax.cli import ArgumentParser, non_negative_float, non_negative_int, positive_int, probability, run
-from hspec_jax.decoding import SamplingConfig
+from hspec_jax.decoding import Bundle, SamplingConfig
 from hspec_jax.decoding.engine import stop_ids
 from hspec_jax.errors import InputError
-from hspec_jax.serving import Model, Request, ServingConfig, ServingEngine
+from hspec_jax.serving import Request, ServingConfig, ServingEngine
 from train.chat import normalize_text, user_texts
 from train.checks import check_sources, target_config
 from train.data import Conversation, evaluation_texts, load_mixture
@@ -205,7 +205,7 @@ def build_engine(config, params, tokenizer, args) -> ServingEngine:
         seed=args.seed,
         layout="dense",
     )
-    return ServingEngine(Model(params, config), serving)
+    return ServingEngine(Bundle(params, config), serving)
 
 
 def main(argv=None) -> int:

@@ -24,11 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from hspec_jax.decoding.autoregressive import decode_chunk, prefill, start_decode
+from hspec_jax.decoding.bundle import Bundle, init_caches
 from hspec_jax.decoding.costs import engine_shape
 from hspec_jax.decoding.placement import Placement
 from hspec_jax.decoding.policy import AdaptivePolicy
 from hspec_jax.decoding.speculative import SpecStats, measure_costs, spec_decode_chunk, spec_prefill
-from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.models import init_cache
 
 # Decoding steps per streamed chunk: the overhead against one uninterrupted loop is measured in
@@ -127,11 +127,7 @@ def compile_autoregressive(
 
 
 def compile_speculative(
-    target_params,
-    target,
-    drafter_params,
-    drafter,
-    vocab,
+    bundle: Bundle,
     tokens,
     lengths,
     capacity,
@@ -144,31 +140,30 @@ def compile_speculative(
     mesh=None,
     policy: AdaptivePolicy | None = None,
 ) -> Engine:
-    """As `compile_autoregressive`, for draft-and-verify; `view` also returns the `SpecStats`. With an adaptive
-    `policy`, its step costs for this machine and shape are read from the cache or measured here (`costs.py`)."""
+    """As `compile_autoregressive`, for draft-and-verify with `bundle`'s drafter; `view` also returns the
+    `SpecStats`. With an adaptive `policy`, its step costs for this machine and shape are read from the cache or
+    measured here (`costs.py`)."""
     rng = jax.random.key(seed)
-    place = Placement(mesh, target.head_dim)
-    target_params, drafter_params = place.params(target_params), place.params(drafter_params)
+    place = Placement(mesh, bundle.target.head_dim)
+    bundle = place.bundle(bundle)
     tokens, lengths = place.batch(tokens, lengths)
 
     def fresh_caches():
-        batch = tokens.shape[0]
-        return place.kv((init_cache(target, batch, capacity), drafter_context(drafter, batch, capacity)))
+        return place.kv(init_caches(bundle, tokens.shape[0], capacity))
 
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
-    models = (target_params, target, drafter_params, drafter, vocab)
     costs = None if policy is None else jnp.ones(len(policy.choices), jnp.float32)
-    pre_c = spec_prefill.lower(*models, tokens, lengths, *fresh_caches(), rng, costs, **kw).compile()
-    carry = jax.eval_shape(lambda: spec_prefill(*models, tokens, lengths, *fresh_caches(), rng, costs, **kw))
-    step_c = spec_decode_chunk.lower(*models, *carry, jnp.int32(1), **kw).compile()
-    run_steps = lambda carry, steps: step_c(target_params, drafter_params, vocab, *carry, jnp.int32(steps))
+    pre_c = spec_prefill.lower(bundle, tokens, lengths, *fresh_caches(), rng, costs, **kw).compile()
+    carry = jax.eval_shape(lambda: spec_prefill(bundle, tokens, lengths, *fresh_caches(), rng, costs, **kw))
+    step_c = spec_decode_chunk.lower(bundle, *carry, jnp.int32(1), **kw).compile()
+    run_steps = lambda carry, steps: step_c(bundle, *carry, jnp.int32(steps))
 
     def prefill_with(step_costs, prompts=(tokens, lengths), key=rng):
         caches = jax.block_until_ready(fresh_caches())
-        return pre_c(target_params, drafter_params, vocab, *prompts, *caches, key, step_costs)
+        return pre_c(bundle, *prompts, *caches, key, step_costs)
 
     if policy is not None:
-        shape = engine_shape(target, drafter, sampling, tokens.shape[0], capacity)
+        shape = engine_shape(bundle.target, bundle.drafter, sampling, tokens.shape[0], capacity)
         costs = measure_costs(prefill_with, run_steps, policy, shape)
 
     def start(prompts=None, seed=None):

@@ -5,6 +5,7 @@ its inputs through `Placement`."""
 from __future__ import annotations
 
 from hspec_jax import parallel
+from hspec_jax.decoding.bundle import Bundle
 from hspec_jax.models.layers import for_backend
 
 
@@ -17,6 +18,11 @@ class Placement:
     def params(self, params):
         """Sharded on the mesh; on one device, as the backend runs them best (`for_backend`: fused on CPU)."""
         return for_backend(params) if self.mesh is None else parallel.shard_params(params, self.mesh, self.head_dim)
+
+    def bundle(self, bundle: Bundle) -> Bundle:
+        """`bundle` with both models' params placed as `params` places them (the vocabulary as it is)."""
+        drafter_params = None if bundle.drafter_params is None else self.params(bundle.drafter_params)
+        return bundle.replace(target_params=self.params(bundle.target_params), drafter_params=drafter_params)
 
     def batch(self, *arrays):
         return arrays if self.mesh is None else parallel.shard_batch(self.mesh, *arrays)

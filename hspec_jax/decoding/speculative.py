@@ -39,6 +39,7 @@ from hspec_jax.decoding import costs as cost_model
 from hspec_jax.decoding.acceptance import greedy_accept, speculative_accept
 from hspec_jax.decoding.autoregressive import is_eos
 from hspec_jax.decoding.batching import bucketed_shapes, pad_to_width
+from hspec_jax.decoding.bundle import Bundle, init_caches
 from hspec_jax.decoding.placement import Placement
 from hspec_jax.decoding.policy import (
     AdaptivePolicy,
@@ -53,13 +54,10 @@ from hspec_jax.decoding.proposal import propose
 from hspec_jax.decoding.sampling import SamplingConfig, probabilities, sample
 from hspec_jax.drafters.api import decoding_inputs, draft_blocks, inject_context
 from hspec_jax.drafters.config import DrafterConfig, check_target
-from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.drafters.inputs import DraftInputs
 from hspec_jax.drafters.output import drafted_slots
-from hspec_jax.drafters.vocab import DraftVocab
-from hspec_jax.models.config import TargetConfig
 from hspec_jax.models.decoder import embedding_matrix, forward
-from hspec_jax.models.kv_cache import KVCache, check_capacity, commit, init_cache
+from hspec_jax.models.kv_cache import KVCache, check_capacity, commit
 
 
 class SpecStats(NamedTuple):
@@ -107,16 +105,17 @@ class SpecGeneration(NamedTuple):
     context: tuple  # DFlash/DSpark: the drafter-side cache, a real buffer (empty for H-Spec)
 
 
-def _draft_next(drafter_params, drafter: DrafterConfig, vocab, sampling, inputs: DraftInputs, rng):
-    """Draft k tokens after the anchor of `inputs` (`decoding_inputs`) -> (tokens, probs, confidence, drafter
-    cache)."""
+def _draft_next(bundle: Bundle, sampling, inputs: DraftInputs, rng):
+    """Draft k tokens after the anchor of `inputs` (`decoding_inputs`) -> (tokens `[B, k]`, probs `[B, k, Vd]` or
+    `[B, k, 1]` (greedy), confidence `[B, k]`, drafter cache)."""
+    drafter, drafter_params = bundle.drafter, bundle.drafter_params
     k = drafter.num_drafts
     anchor = inputs.block_tokens[:, 0, 0]
     out = drafted_slots(draft_blocks(drafter_params, drafter, inputs), drafter)
     proposal = propose(
         out.logits[:, 0],
         anchor,
-        vocab,
+        bundle.vocab,
         sampling,
         rng,
         drafter_params.get("markov_head"),
@@ -141,21 +140,20 @@ def choices_of(drafter: DrafterConfig, policy: AdaptivePolicy | None) -> tuple[i
     return policy.choices
 
 
-def _verify(target_params, target, drafter, vocab, sampling, state, cache, rng, drafts):
+def _verify(bundle: Bundle, sampling, state, cache, rng, drafts):
     """Verify [anchor, d_1 .. d_drafts] (drafts static) in one target forward ->
     (n `[B]` drafts accepted, next token `[B]`, cache with the rows written, taps `[B, k+1, F*D]`, rows past
     drafts + 1 zero)."""
     batch, k = state.draft.shape
     draft = state.draft[:, :drafts]
-    out = forward(
-        target_params, target, jnp.concatenate([state.anchor[:, None], draft], 1), cache, drafter.fusion_layer_ids
-    )
+    block = jnp.concatenate([state.anchor[:, None], draft], 1)
+    out = forward(bundle.target_params, bundle.target, block, cache, bundle.drafter.fusion_layer_ids)
     if sampling.greedy:
         n, nxt = greedy_accept(draft, out.logits)
     else:
         q = (
-            jnp.zeros((batch, drafts, target.vocab_size), jnp.float32)
-            .at[:, :, vocab.d2t]
+            jnp.zeros((batch, drafts, bundle.target.vocab_size), jnp.float32)
+            .at[:, :, bundle.vocab.d2t]
             .set(state.draft_probs[:, :drafts])
         )
         n, nxt = speculative_accept(rng, draft, q, probabilities(out.logits, sampling))
@@ -178,8 +176,9 @@ def _when(pred: jax.Array, fn: Callable, operand):
     return jax.lax.while_loop(lambda carry: pred & ~carry[0], once, (jnp.bool_(False), operand))[1]
 
 
-# Both halves of the engine: configs and loop settings are static, the two caches are donated (updated in place).
-_ENGINE_STATIC = ("target", "drafter", "sampling", "max_new_tokens", "eos_ids", "pad_id", "policy")
+# Both halves of the engine: loop settings are static (and the bundle's configs, its tree metadata), the two caches
+# are donated (updated in place).
+_ENGINE_STATIC = ("sampling", "max_new_tokens", "eos_ids", "pad_id", "policy")
 _engine_jit = functools.partial(jax.jit, static_argnames=_ENGINE_STATIC, donate_argnames=("cache", "context"))
 
 
@@ -190,11 +189,7 @@ def _room(cache: KVCache, k: int) -> jax.Array:
 
 @_engine_jit
 def spec_prefill(
-    target_params: dict,
-    target: TargetConfig,
-    drafter_params: dict,
-    drafter: DrafterConfig,
-    vocab: DraftVocab,
+    bundle: Bundle,
     prompts: jax.Array,
     lengths: jax.Array,
     cache: KVCache,
@@ -208,21 +203,22 @@ def spec_prefill(
     pad_id: int = 0,
     policy: AdaptivePolicy | None = None,
 ) -> tuple[SpecState, KVCache, tuple]:
-    """Prefill the target on right-padded `prompts [B, T]`, sample the first token, draft the first block.
+    """Prefill `bundle`'s target on right-padded `prompts [B, T]`, sample the first token, draft the first block.
     Returns the loop state, the target cache and the drafter-side cache (empty unless DFlash/DSpark). The prompts
     go at each sequence's committed length, so a long prompt can be fed in pieces (earlier pieces committed by
     earlier calls, whose states are discarded). With a `policy`, `costs [C]` is its cost table (`costs.py`)
     and the first step's draft length is chosen from the first block's confidence and the policy's prior."""
+    target_params, drafter = bundle.target_params, bundle.drafter
     k = drafter.num_drafts
     batch = prompts.shape[0]
     start = cache.lengths
     first_rng, draft_rng, loop_rng = jax.random.split(rng, 3)
     last = (lengths - 1)[:, None]  # logits only at each sequence's last prompt position: [B, 1, V], not [B, T, V]
-    out = forward(target_params, target, prompts, cache, drafter.fusion_layer_ids, logit_indices=last)
+    out = forward(target_params, bundle.target, prompts, cache, drafter.fusion_layer_ids, logit_indices=last)
     token = sample(first_rng, out.logits[:, 0], sampling)
     cache = commit(out.cache, lengths)
     inputs = decoding_inputs(drafter, embedding_matrix(target_params), token, cache, _fused(out.hidden), start, context)
-    draft, probs, confidence, context = _draft_next(drafter_params, drafter, vocab, sampling, inputs, draft_rng)
+    draft, probs, confidence, context = _draft_next(bundle, sampling, inputs, draft_rng)
     seed = inputs.seed_hidden[:, 0]
     tokens = jnp.full((batch, max_new_tokens + k + 1), pad_id, jnp.int32).at[:, 0].set(token)
     num = jnp.ones((batch,), jnp.int32)
@@ -245,36 +241,22 @@ def spec_prefill(
     return state, cache, context
 
 
-def _spec_steps(
-    target_params,
-    target,
-    drafter_params,
-    drafter,
-    vocab,
-    state,
-    cache,
-    context,
-    steps,
-    max_new_tokens,
-    sampling,
-    eos_ids,
-    pad_id,
-    policy,
-):
+def _spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sampling, eos_ids, pad_id, policy):
     """Up to `steps` draft-and-verify steps (fewer once every sequence is done) -> (state, cache, context)."""
+    drafter = bundle.drafter
     k = drafter.num_drafts
     batch = state.anchor.shape[0]
     slots = jnp.arange(k + 1)
     choices = choices_of(drafter, policy)
     limit = jnp.minimum(state.step + steps, max_new_tokens)
-    verifiers = [functools.partial(_verify, target_params, target, drafter, vocab, sampling, drafts=c) for c in choices]
+    verifiers = [functools.partial(_verify, bundle, sampling, drafts=c) for c in choices]
 
     def cond(carry):
         s = carry[0]
         return (s.step < limit) & ~jnp.all(s.done)
 
     def draft(inputs, rng, context):
-        return _draft_next(drafter_params, drafter, vocab, sampling, inputs.replace(context_kv=context), rng)
+        return _draft_next(bundle, sampling, inputs.replace(context_kv=context), rng)
 
     def draft_carried(carry):
         """`draft` on inputs carried by `_when`'s loop (through its barrier): were they loop invariants, XLA would
@@ -319,7 +301,7 @@ def _spec_steps(
             s.stats.predicted_at + reached * s.confidence,
             s.stats.chosen + on * (jnp.arange(len(choices)) == s.choice),
         )
-        inputs = decoding_inputs(drafter, embedding_matrix(target_params), nxt, cache, taps, start)
+        inputs = decoding_inputs(drafter, embedding_matrix(bundle.target_params), nxt, cache, taps, start)
         seed = inputs.seed_hidden[:, 0]
         operands = (inputs, draft_rng)
         if policy is None:
@@ -332,7 +314,7 @@ def _spec_steps(
             draft_tokens, probs, confidence, context, (inputs, _) = _when(drafting, draft_carried, kept)
             cache = inputs.target_cache
             if drafter.owns_kv_cache:  # a plain step's row still goes into DFlash's own cache
-                inject = lambda c: inject_context(drafter_params, drafter, c, inputs.new_context)
+                inject = lambda c: inject_context(bundle.drafter_params, drafter, c, inputs.new_context)
                 context = _when(~drafting, inject, context)
             choice = jnp.where(drafting, step_choice(estimates, policy, confidence, ~done), 0)
             estimates = estimates._replace(drafted=jnp.broadcast_to(drafting, (batch,)))
@@ -346,11 +328,7 @@ def _spec_steps(
 
 @_engine_jit
 def spec_decode(
-    target_params: dict,
-    target: TargetConfig,
-    drafter_params: dict,
-    drafter: DrafterConfig,
-    vocab: DraftVocab,
+    bundle: Bundle,
     state: SpecState,
     cache: KVCache,
     context: tuple,
@@ -362,18 +340,15 @@ def spec_decode(
     policy: AdaptivePolicy | None = None,
 ) -> SpecGeneration:
     """Run draft-and-verify steps on device until every sequence is done (see the module docstring)."""
-    args = (target_params, target, drafter_params, drafter, vocab, state, cache, context, max_new_tokens)
-    final, cache, context = _spec_steps(*args, max_new_tokens, sampling, eos_ids, pad_id, policy)
+    final, cache, context = _spec_steps(
+        bundle, state, cache, context, max_new_tokens, max_new_tokens, sampling, eos_ids, pad_id, policy
+    )
     return SpecGeneration(final.tokens[:, :max_new_tokens], final.num, final.stats, cache, context)
 
 
 @_engine_jit
 def spec_decode_chunk(
-    target_params: dict,
-    target: TargetConfig,
-    drafter_params: dict,
-    drafter: DrafterConfig,
-    vocab: DraftVocab,
+    bundle: Bundle,
     state: SpecState,
     cache: KVCache,
     context: tuple,
@@ -388,8 +363,7 @@ def spec_decode_chunk(
     """At most `steps` more draft-and-verify steps (traced: one compilation serves every chunk size), for callers
     that stream or stop between chunks. Chained from `spec_prefill` until every sequence is done, it gives exactly
     `spec_decode`'s tokens and statistics; `state.tokens[:, :max_new_tokens]` and `state.num` are the output so far."""
-    args = (target_params, target, drafter_params, drafter, vocab, state, cache, context, steps)
-    return _spec_steps(*args, max_new_tokens, sampling, eos_ids, pad_id, policy)
+    return _spec_steps(bundle, state, cache, context, steps, max_new_tokens, sampling, eos_ids, pad_id, policy)
 
 
 def measure_costs(
@@ -409,7 +383,7 @@ def measure_costs(
 
 
 def adaptive_costs(
-    models: tuple,
+    bundle: Bundle,
     prompts: jax.Array,
     lengths: jax.Array,
     fresh_caches: Callable[[], tuple],
@@ -422,28 +396,23 @@ def adaptive_costs(
     eos_ids: tuple[int, ...] = (),
     pad_id: int = 0,
 ) -> np.ndarray:
-    """The cost table `[C]` of `policy` for `models` = (target_params, target, drafter_params, drafter, vocab) on
-    `prompts [B, T]` with caches of `capacity` rows (`fresh_caches()` -> new target and drafter caches), cached per
-    machine and shape or measured on this loop (`measure_costs`)."""
+    """The cost table `[C]` of `policy` for `bundle` on `prompts [B, T]` with caches of `capacity` rows
+    (`fresh_caches()` -> new target and drafter caches), cached per machine and shape or measured on this loop
+    (`measure_costs`)."""
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
-    _, target, _, drafter, _ = models
 
     def prefill(step_costs):
-        return spec_prefill(*models, prompts, lengths, *fresh_caches(), rng, step_costs, **kw)
+        return spec_prefill(bundle, prompts, lengths, *fresh_caches(), rng, step_costs, **kw)
 
     def chunk(carry, steps):
-        return spec_decode_chunk(*models, *carry, steps, **kw)
+        return spec_decode_chunk(bundle, *carry, steps, **kw)
 
-    shape = cost_model.engine_shape(target, drafter, sampling, prompts.shape[0], capacity)
+    shape = cost_model.engine_shape(bundle.target, bundle.drafter, sampling, prompts.shape[0], capacity)
     return measure_costs(prefill, chunk, policy, shape)
 
 
 def speculative_generate(
-    target_params: dict,
-    target: TargetConfig,
-    drafter_params: dict,
-    drafter: DrafterConfig,
-    vocab: DraftVocab,
+    bundle: Bundle,
     prompts: jax.Array,
     lengths: jax.Array,
     *,
@@ -457,11 +426,14 @@ def speculative_generate(
     policy: AdaptivePolicy | None = None,
     costs: jax.Array | None = None,
 ) -> SpecGeneration:
-    """Prefill, then draft-and-verify until done. `cache_capacity` defaults to the longest prompt plus
-    `max_new_tokens` plus one block, so the cache never stops a sequence before `max_new_tokens`; it and the prompt
-    width are rounded up to a bucket (`batching.bucketed_shapes`). With a `mesh`, both models' params, the batch
-    and the caches are sharded and the whole loop runs SPMD. With an adaptive `policy` the draft length changes per
-    step; its cost table `costs [C]` is measured on this machine for this shape when not given (and cached)."""
+    """Prefill, then draft-and-verify with `bundle`'s drafter until done. `cache_capacity` defaults to the longest
+    prompt plus `max_new_tokens` plus one block, so the cache never stops a sequence before `max_new_tokens`; it and
+    the prompt width are rounded up to a bucket (`batching.bucketed_shapes`). With a `mesh`, both models' params, the
+    batch and the caches are sharded and the whole loop runs SPMD. With an adaptive `policy` the draft length changes
+    per step; its cost table `costs [C]` is measured on this machine for this shape when not given (and cached)."""
+    target, drafter = bundle.target, bundle.drafter
+    if drafter is None:
+        raise ValueError("draft-and-verify needs a drafter in the bundle (plain decoding: autoregressive.generate)")
     k = drafter.num_drafts
     check_target(drafter, target)
     longest = int(jnp.max(lengths))
@@ -472,17 +444,14 @@ def speculative_generate(
     choices_of(drafter, policy)
 
     place = Placement(mesh, target.head_dim)
-    target_params, drafter_params = place.params(target_params), place.params(drafter_params)
+    bundle = place.bundle(bundle)
     prompts, lengths = place.batch(prompts, lengths)
 
     def fresh_caches():
-        batch = prompts.shape[0]
-        return place.kv((init_cache(target, batch, capacity), drafter_context(drafter, batch, capacity)))
+        return place.kv(init_caches(bundle, prompts.shape[0], capacity))
 
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
-    models = (target_params, target, drafter_params, drafter, vocab)
-
     if policy is not None and costs is None:
-        costs = adaptive_costs(models, prompts, lengths, fresh_caches, capacity, rng, **kw)
-    state, cache, context = spec_prefill(*models, prompts, lengths, *fresh_caches(), rng, costs, **kw)
-    return spec_decode(*models, state, cache, context, **kw)
+        costs = adaptive_costs(bundle, prompts, lengths, fresh_caches, capacity, rng, **kw)
+    state, cache, context = spec_prefill(bundle, prompts, lengths, *fresh_caches(), rng, costs, **kw)
+    return spec_decode(bundle, state, cache, context, **kw)

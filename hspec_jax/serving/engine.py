@@ -1,7 +1,7 @@
 """Continuous batching over the paged KV pool: requests queue, a fixed number of slots decode together, and
 prompts are prefilled between decoding steps.
 
-    engine = ServingEngine(Model(target_params, target, drafter_params, drafter, vocab), ServingConfig(...))
+    engine = ServingEngine(Bundle(target_params, target, drafter_params, drafter, vocab), ServingConfig(...))
     refused = engine.submit(Request("r1", prompt_ids))      # None, or a refused Completion (with the reason)
     while engine.busy:
         for completion in engine.step(): ...
@@ -45,14 +45,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from hspec_jax.decoding.autoregressive import decode_chunk, prefill, start_decode
+from hspec_jax.decoding.bundle import Bundle, init_caches
 from hspec_jax.decoding.policy import AdaptivePolicy
 from hspec_jax.decoding.sampling import SamplingConfig
 from hspec_jax.decoding.speculative import spec_decode_chunk, spec_prefill
-from hspec_jax.drafters.config import DrafterConfig, check_target
-from hspec_jax.drafters.dflash import drafter_context
-from hspec_jax.drafters.vocab import DraftVocab
-from hspec_jax.models.config import TargetConfig
-from hspec_jax.models.kv_cache import KVBuffers, init_cache
+from hspec_jax.drafters.config import check_target
+from hspec_jax.models.kv_cache import KVBuffers
 from hspec_jax.serving.allocator import PageAllocator, pages_for
 from hspec_jax.serving.paged import PagedBuffers, paged_cache, paged_context
 
@@ -87,26 +85,6 @@ class ServingConfig:
             raise ValueError(f"steps_per_iteration must be >= 1, got {self.steps_per_iteration}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (the null page and one more), got {self.num_pages}")
-
-
-class Model(NamedTuple):
-    """What is served: the target alone (plain decoding) or with a drafter (draft-and-verify)."""
-
-    target_params: dict
-    target: TargetConfig
-    drafter_params: dict | None = None
-    drafter: DrafterConfig | None = None
-    vocab: DraftVocab | None = None
-
-    @property
-    def lookahead(self) -> int:
-        """Rows a step writes past the committed ones (the verified block: k + 1; 0 for plain decoding)."""
-        return 0 if self.drafter is None else self.drafter.block_size
-
-    @property
-    def rows_per_step(self) -> int:
-        """The most rows one decoding step commits or writes ahead of the committed ones."""
-        return max(self.lookahead, 1)
 
 
 class Request(NamedTuple):
@@ -145,7 +123,8 @@ class _Slot:
         return self.emitted > 0
 
 
-_STATIC = ("target", "drafter", "sampling", "max_new_tokens", "eos_ids", "pad_id", "policy")
+# Loop settings are static (and the bundle's configs, its tree metadata); the slots' state and caches are donated.
+_STATIC = ("sampling", "max_new_tokens", "eos_ids", "pad_id", "policy")
 _serve_jit = functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state", "cache", "context"))
 # Loop-state fields of the whole batch (the policy's cost table too); every other field has one row per slot.
 _SHARED_FIELDS = ("step", "rng", "choice")
@@ -178,26 +157,21 @@ def _has_rows(context) -> bool:
     return isinstance(context, PagedBuffers | KVBuffers)
 
 
-def _start_one(target_params, target, drafter_params, drafter, vocab, cache, context, tokens, length, rng, costs, **kw):
+def _start_one(bundle: Bundle, cache, context, tokens, length, rng, costs, **kw):
     """Prefill `tokens [1, C]` (the first `length [1]` real) into a one-sequence cache at its committed length ->
     (that sequence's decoding state as if it started now, cache, context): `prefill` + `start_decode`, or
     `spec_prefill` (`costs`: the adaptive policy's cost table, None without one)."""
-    if drafter is None:
+    if bundle.drafter is None:
         first_rng, loop_rng = jax.random.split(rng)
-        pre = prefill(target_params, target, tokens, length, cache, first_rng, kw["sampling"])
+        pre = prefill(bundle.target_params, bundle.target, tokens, length, cache, first_rng, kw["sampling"])
         loop = {name: kw[name] for name in ("max_new_tokens", "eos_ids", "pad_id")}
         return start_decode(pre.cache, pre.token, loop_rng, **loop), pre.cache, context
-    models = (target_params, target, drafter_params, drafter, vocab)
-    return spec_prefill(*models, tokens, length, cache, context, rng, costs, **kw)
+    return spec_prefill(bundle, tokens, length, cache, context, rng, costs, **kw)
 
 
 @_serve_jit
 def prefill_slot(
-    target_params,
-    target,
-    drafter_params,
-    drafter,
-    vocab,
+    bundle: Bundle,
     state,
     cache,
     context,
@@ -216,11 +190,10 @@ def prefill_slot(
     """One chunk `tokens [1, C]` (the first `length [1]` real) of slot `slot`'s prompt, written at its committed
     length and committed. On the `final` chunk the slot's row of the loop state becomes that of a sequence that
     just started (first token sampled, first block drafted); before it, the row is left as it is (finished)."""
-    models = (target_params, target, drafter_params, drafter, vocab)
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
     costs = None if policy is None else state.policy.costs
     view_cache, view_context = cache.slot(slot), _slot_of(context, slot)
-    one, view, view_context = _start_one(*models, view_cache, view_context, tokens, length, rng, costs, **kw)
+    one, view, view_context = _start_one(bundle, view_cache, view_context, tokens, length, rng, costs, **kw)
     cache = cache.with_slot(slot, view)
     if _has_rows(context):
         context = context.with_slot(slot, view_context)
@@ -233,11 +206,7 @@ def prefill_slot(
 
 @_serve_jit
 def decode_slots(
-    target_params,
-    target,
-    drafter_params,
-    drafter,
-    vocab,
+    bundle: Bundle,
     state,
     cache,
     context,
@@ -252,28 +221,28 @@ def decode_slots(
 ):
     """Up to `steps` decoding steps of every slot (`decode_chunk` or `spec_decode_chunk`, counted from 0)."""
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
-    if drafter is None:
+    if bundle.drafter is None:
         state = state._replace(step=jnp.int32(0), rng=rng)
-        state, cache = decode_chunk(target_params, target, state, cache, steps, **kw)
+        state, cache = decode_chunk(bundle.target_params, bundle.target, state, cache, steps, **kw)
         return state, cache, context
     state = state._replace(step=jnp.int32(0))
-    models = (target_params, target, drafter_params, drafter, vocab)
-    return spec_decode_chunk(*models, state, cache, context, steps, **kw, policy=policy)
+    return spec_decode_chunk(bundle, state, cache, context, steps, **kw, policy=policy)
 
 
 class ServingEngine:
-    """See the module docstring. `clock` gives the times in `Completion`s (seconds). With `config.policy`, `costs`
-    is its cost table T(k) / T(0) per choice (`hspec_jax/decoding/costs.py`)."""
+    """See the module docstring: serves `bundle` (its target alone, or with its drafter). `clock` gives the times in
+    `Completion`s (seconds). With `config.policy`, `costs` is its cost table T(k) / T(0) per choice
+    (`hspec_jax/decoding/costs.py`)."""
 
-    def __init__(self, model: Model, config: ServingConfig, clock=time.perf_counter, costs=None):
-        if model.drafter is not None:
-            check_target(model.drafter, model.target)
-        if config.policy is not None and (model.drafter is None or costs is None):
+    def __init__(self, bundle: Bundle, config: ServingConfig, clock=time.perf_counter, costs=None):
+        if bundle.drafter is not None:
+            check_target(bundle.drafter, bundle.target)
+        if config.policy is not None and (bundle.drafter is None or costs is None):
             raise ValueError("an adaptive draft length needs a drafter and a cost table (costs)")
-        self.model, self.config, self.clock = model, config, clock
+        self.bundle, self.config, self.clock = bundle, config, clock
         self.costs = costs
         c = config
-        self.max_pages = pages_for(c.max_prompt_tokens + c.max_new_tokens + model.lookahead, c.page_size)
+        self.max_pages = pages_for(c.max_prompt_tokens + c.max_new_tokens + bundle.lookahead, c.page_size)
         num_pages = c.num_pages or c.slots * self.max_pages + 1
         if c.layout == "dense" and num_pages != c.slots * self.max_pages + 1:
             raise ValueError(
@@ -282,12 +251,10 @@ class ServingEngine:
             )
         self.allocator = PageAllocator(num_pages, c.slots, self.max_pages, c.page_size)
         if c.layout == "dense":
-            rows = self.max_pages * c.page_size
-            self.cache = init_cache(model.target, c.slots, rows)
-            self.context = () if model.drafter is None else drafter_context(model.drafter, c.slots, rows)
+            self.cache, self.context = init_caches(bundle, c.slots, self.max_pages * c.page_size)
         else:
-            self.cache = paged_cache(model.target, c.slots, num_pages, c.page_size, self.max_pages)
-            self.context = paged_context(model.drafter, self.cache)
+            self.cache = paged_cache(bundle.target, c.slots, num_pages, c.page_size, self.max_pages)
+            self.context = paged_context(bundle.drafter, self.cache)
         self._kw = dict(
             max_new_tokens=c.max_new_tokens, sampling=c.sampling, eos_ids=c.eos_ids, pad_id=c.pad_id, policy=c.policy
         )
@@ -314,7 +281,7 @@ class ServingEngine:
 
     def request_pages(self, prompt_tokens: int) -> int:
         """Pages a request needs at its longest: prompt, new tokens and one verified block."""
-        rows = prompt_tokens + self.config.max_new_tokens + self.model.lookahead
+        rows = prompt_tokens + self.config.max_new_tokens + self.bundle.lookahead
         return pages_for(rows, self.config.page_size)
 
     def refusal(self, request: Request) -> str | None:
@@ -324,8 +291,8 @@ class ServingEngine:
             return "empty prompt"
         if n > self.config.max_prompt_tokens:
             return f"prompt of {n} tokens exceeds the serving limit of {self.config.max_prompt_tokens}"
-        if max(request.prompt) >= self.model.target.vocab_size or min(request.prompt) < 0:
-            return f"token ids outside the model's vocabulary of {self.model.target.vocab_size}"
+        if max(request.prompt) >= self.bundle.target.vocab_size or min(request.prompt) < 0:
+            return f"token ids outside the model's vocabulary of {self.bundle.target.vocab_size}"
         pages = self.request_pages(n)
         if pages > self.allocator.usable:
             return f"needs {pages} KV pages, more than the pool's {self.allocator.usable}"
@@ -350,7 +317,7 @@ class ServingEngine:
             rng = jax.random.fold_in(jax.random.key(self.config.seed), self.iterations)
             steps = jnp.int32(self.config.steps_per_iteration)
             self.state, self.cache, self.context = decode_slots(
-                *self.model, self.state, self.cache, self.context, steps, rng, **self._kw
+                self.bundle, self.state, self.cache, self.context, steps, rng, **self._kw
             )
         finished = self._collect()
         self.iterations += 1
@@ -373,7 +340,7 @@ class ServingEngine:
         costs = None if self.costs is None else jnp.asarray(self.costs, jnp.float32)
         key = jax.random.key(0)
         one = jax.eval_shape(
-            lambda: _start_one(*self.model, view, view_context, tokens, length, key, costs, **self._kw)[0]
+            lambda: _start_one(self.bundle, view, view_context, tokens, length, key, costs, **self._kw)[0]
         )
         rows = jax.tree.map(lambda x: jnp.zeros((c.slots, *x.shape[1:]), x.dtype), _per_slot(one))
         rows["done"] = jnp.ones((c.slots,), bool)
@@ -414,7 +381,7 @@ class ServingEngine:
             tokens[0, : len(chunk)] = chunk
             final = s.fed + len(chunk) == len(s.request.prompt)
             self.state, self.cache, self.context = prefill_slot(
-                *self.model,
+                self.bundle,
                 self.state,
                 self.cache,
                 self.context,
@@ -439,12 +406,12 @@ class ServingEngine:
     def _reserve(self) -> bool:
         """Pages for the rows the next decoding steps may write, oldest requests first, preempting the youngest
         when the pool runs out -> whether any slot is decoding."""
-        rows_ahead = self.config.steps_per_iteration * self.model.rows_per_step
+        rows_ahead = self.config.steps_per_iteration * self.bundle.rows_per_step
         decoding = False
         for slot, s in self._by_admission():
             if self.slots[slot] is not s or not s.decoding:
                 continue  # preempted just now, or still prefilling
-            limit = len(s.request.prompt) + self.config.max_new_tokens + self.model.lookahead
+            limit = len(s.request.prompt) + self.config.max_new_tokens + self.bundle.lookahead
             need = min(int(self.lengths[slot]) + rows_ahead, limit)
             while not self.allocator.grow(slot, need):
                 victim = max(self._by_admission(), key=lambda item: item[1].order)[0]
