@@ -38,12 +38,12 @@ KINDS = compared_kinds()
 
 
 def drafter_step_fn(config):
-    """A jitted step `(params, embedding, target_cache, context, lengths, seed, new_context, block, rng)
+    """A jitted step `(params, embedding, target_cache, context, lengths, seed, inject_rows, block, rng)
     -> (tokens, context)`."""
     vocab = full_vocab(config.vocab_size)  # id maps only; pruning is in the lm_head size
     greedy = SamplingConfig()
 
-    def step(params, embedding, target_cache, context, lengths, seed, new_context, block, rng):
+    def step(params, embedding, target_cache, context, lengths, seed, inject_rows, block, rng):
         out = draft_block(
             params,
             config,
@@ -52,13 +52,13 @@ def drafter_step_fn(config):
             lengths,
             target_cache=target_cache,
             seed_hidden=seed,
-            context_kv=context,
-            new_context=new_context,
+            drafter_cache=context,
+            inject_rows=inject_rows,
         )
         proposal = propose(
             out.logits[:, config.first_draft_slot :], block[:, 0], vocab, greedy, rng, params.get("markov_head")
         )
-        return proposal.tokens, out.context_kv if config.owns_kv_cache else context
+        return proposal.tokens, out.drafter_cache if config.owns_kv_cache else context
 
     # DFlash's cache is donated and updated in place; H-Spec only reads the target's cache.
     return jax.jit(step, donate_argnums=(3,) if config.owns_kv_cache else ())
@@ -81,7 +81,7 @@ def time_step(recipe, kind, batch, context_len, repeats):
         for _ in range(n)
     )
     seed = jnp.ones((batch, fused), jnp.float32)
-    target_cache, new_context = None, None
+    target_cache, inject_rows = None, None
     mapped = list(mirrored_target_layers(config).values())
     if mapped:  # only the layers the drafter reads hold data; the others alias the first (never read)
         kv = dict(zip(mapped, fresh_kv(len(mapped)), strict=True))
@@ -91,14 +91,14 @@ def time_step(recipe, kind, batch, context_len, repeats):
         verified = config.num_drafts + 1
         taps = jnp.ones((batch, verified, fused), jnp.float32)  # the rows verified last step
         positions = lengths[:, None] - verified + jnp.arange(verified)
-        new_context = (taps, positions, positions[:, 0])
+        inject_rows = (taps, positions, positions[:, 0])
     context = jax.tree.map(lambda x: x + 1.0, drafter_context(config, batch, context_len + 64))
     step = drafter_step_fn(config)
     state = {"context": context}
 
     def once():
         tokens, ctx = step(
-            params, embedding, target_cache, state["context"], lengths, seed, new_context, block, jax.random.key(1)
+            params, embedding, target_cache, state["context"], lengths, seed, inject_rows, block, jax.random.key(1)
         )
         state["context"] = ctx  # DFlash's cache is donated and updated in place
         tokens.block_until_ready()

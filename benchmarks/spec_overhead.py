@@ -68,7 +68,7 @@ def isolated_step_times(target, target_params, drafters, context: int, repeats: 
         positions = jnp.array([context - k - 1], jnp.int32)[:, None] + jnp.arange(k + 1)
 
         def step(p, c, ctx, config=config, vocab=vocab, taps=taps, positions=positions, block=block):
-            new_context = (taps, positions, positions[:, 0]) if config.owns_kv_cache else None
+            inject_rows = (taps, positions, positions[:, 0]) if config.owns_kv_cache else None
             out = draft_block(
                 p,
                 config,
@@ -77,8 +77,8 @@ def isolated_step_times(target, target_params, drafters, context: int, repeats: 
                 c.lengths,
                 target_cache=c,
                 seed_hidden=taps[:, -1],
-                context_kv=ctx,
-                new_context=new_context,
+                drafter_cache=ctx,
+                inject_rows=inject_rows,
             )
             logits = out.logits[:, config.first_draft_slot :]
             return propose(logits, block[:, 0], vocab, GREEDY, jax.random.key(0), p.get("markov_head"))

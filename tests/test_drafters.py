@@ -66,8 +66,8 @@ def run(config, params, setup, *, cache=None, hidden=None, anchor_tokens=(5, 9))
     kw = dict(  # every input; each kind reads what it uses
         target_cache=cache,
         seed_hidden=seed_hidden_at(hidden, anchors[:, None])[:, 0],
-        context_kv=drafter_context(config, 2, 32),
-        new_context=(hidden, positions, positions[:, 0]),
+        drafter_cache=drafter_context(config, 2, 32),
+        inject_rows=(hidden, positions, positions[:, 0]),
     )
     fn = jax.jit(lambda p, b, a, kw: draft_block(p, config, target_params["embed_tokens"]["embedding"], b, a, **kw))
     return fn(params, block, anchors, kw)
@@ -93,11 +93,11 @@ def test_every_kind_drafts_a_block(kind, setup):
     assert out.hidden.shape == (2, config.block_size, TARGET.hidden_size)
     assert bool(jnp.isfinite(out.logits).all())
     if config.owns_kv_cache:  # the drafter-side cache is a real buffer, rows written for the context
-        k0 = out.context_kv.layer(0)[0]
+        k0 = out.drafter_cache.layer(0)[0]
         assert k0.shape == (2, 32, TARGET.num_kv_heads, TARGET.head_dim)
         assert float(jnp.abs(k0[:, :16]).sum()) > 0 and float(jnp.abs(k0[:, 16:]).sum()) == 0
     else:
-        assert out.context_kv is None
+        assert out.drafter_cache is None
 
 
 def many_block_inputs(config, setup, anchors, block, prev):
@@ -110,8 +110,8 @@ def many_block_inputs(config, setup, anchors, block, prev):
         anchors=anchors,
         seed_hidden=seed_hidden_at(hidden, anchors),
         target_cache=cache,
-        context_kv=drafter_context(config, 2, hidden.shape[1]),
-        new_context=(hidden, positions, positions[:, 0]),
+        drafter_cache=drafter_context(config, 2, hidden.shape[1]),
+        inject_rows=(hidden, positions, positions[:, 0]),
         prev_tokens=prev,
     )
 
@@ -255,8 +255,8 @@ def test_dflash_injection_then_draft_equals_one_call(setup):
         embedding,
         block,
         cache.lengths,
-        context_kv=empty_context(config, 2, 32),
-        new_context=(hidden, positions, positions[:, 0]),
+        drafter_cache=empty_context(config, 2, 32),
+        inject_rows=(hidden, positions, positions[:, 0]),
     )
     # inject in two pieces (a prompt, then newly accepted rows), then draft with nothing new
     first = draft_block(
@@ -265,8 +265,8 @@ def test_dflash_injection_then_draft_equals_one_call(setup):
         embedding,
         block,
         jnp.array([4, 4]),
-        context_kv=empty_context(config, 2, 32),
-        new_context=(hidden[:, :4], positions[:, :4], positions[:, 0]),
+        drafter_cache=empty_context(config, 2, 32),
+        inject_rows=(hidden[:, :4], positions[:, :4], positions[:, 0]),
     )
     second = draft_block(
         params,
@@ -274,10 +274,10 @@ def test_dflash_injection_then_draft_equals_one_call(setup):
         embedding,
         block,
         jnp.array([4, 4]),
-        context_kv=first.context_kv,
-        new_context=(hidden[:, 4:], positions[:, 4:], positions[:, 4]),
+        drafter_cache=first.drafter_cache,
+        inject_rows=(hidden[:, 4:], positions[:, 4:], positions[:, 4]),
     )
-    two = draft_block(params, config, embedding, block, cache.lengths, context_kv=second.context_kv)
+    two = draft_block(params, config, embedding, block, cache.lengths, drafter_cache=second.drafter_cache)
     np.testing.assert_allclose(np.asarray(two.logits), np.asarray(one.logits), atol=1e-5)
 
 

@@ -40,8 +40,8 @@ def test_forward_on_real_target_state(kind, smollm2, prefill):
     kw = dict(  # every input; each kind reads what it uses
         target_cache=cache,
         seed_hidden=hidden[:, -1],
-        context_kv=drafter_context(config, 1, 128),
-        new_context=(hidden, positions, positions[:, 0]),
+        drafter_cache=drafter_context(config, 1, 128),
+        inject_rows=(hidden, positions, positions[:, 0]),
     )
     embedding = target_params["embed_tokens"]["embedding"]
     out = jax.jit(lambda p, kw: draft_block(p, config, embedding, block, anchor, **kw))(params, kw)
@@ -65,8 +65,8 @@ def test_gradients_on_real_target_state(kind, smollm2, prefill):
         anchors=anchors,
         seed_hidden=seed_hidden_at(hidden, anchors),
         target_cache=cache,
-        context_kv=drafter_context(config, 1, 128),
-        new_context=(hidden, positions, positions[:, 0]),
+        drafter_cache=drafter_context(config, 1, 128),
+        inject_rows=(hidden, positions, positions[:, 0]),
         prev_tokens=prev,
     )
 

@@ -69,12 +69,12 @@ def test_fused_drafter_matches_unfused(kind):
     kw = dict(
         target_cache=cache,
         seed_hidden=taps[:, -1],
-        context_kv=drafter_context(config, 1, 32),
-        new_context=(taps, rows, rows[:, 0]) if config.owns_kv_cache else None,
+        drafter_cache=drafter_context(config, 1, 32),
+        inject_rows=(taps, rows, rows[:, 0]) if config.owns_kv_cache else None,
     )
     embedding = params["embed_tokens"]["embedding"]
     draft = jax.jit(lambda p: draft_block(p, config, embedding, block, cache.lengths, **kw))
     unfused, fused = draft(dparams), draft(fuse_projections(dparams))
     close(unfused.logits, fused.logits)
     if config.owns_kv_cache:
-        jax.tree.map(close, unfused.context_kv, fused.context_kv)
+        jax.tree.map(close, unfused.drafter_cache, fused.drafter_cache)

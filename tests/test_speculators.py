@@ -354,8 +354,8 @@ def our_drafts(config, params, vocab, target_params, cache, taps, anchors):
     kw = dict(  # every input; each family reads what it uses
         target_cache=cache,
         seed_hidden=taps[jnp.arange(2), cache.lengths - 1],
-        context_kv=drafter_context(config, 2, cache.capacity),
-        new_context=(taps, positions, positions[:, 0]),
+        drafter_cache=drafter_context(config, 2, cache.capacity),
+        inject_rows=(taps, positions, positions[:, 0]),
     )
     embedding = target_params["embed_tokens"]["embedding"]
     out = jax.jit(draft_block, static_argnums=1)(params, config, embedding, block, cache.lengths, **kw)

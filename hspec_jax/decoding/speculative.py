@@ -123,7 +123,7 @@ def _draft_next(bundle: Bundle, sampling, inputs: DraftInputs, rng):
         drafter_params.get("confidence_head"),
     )
     probs = proposal.probs if not sampling.greedy else jnp.zeros((anchor.shape[0], k, 1), jnp.float32)
-    context = out.context_kv if out.context_kv is not None else inputs.context_kv
+    context = out.drafter_cache if out.drafter_cache is not None else inputs.drafter_cache
     return proposal.tokens, probs, proposal.confidence, context
 
 
@@ -256,7 +256,7 @@ def _spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sa
         return (s.step < limit) & ~jnp.all(s.done)
 
     def draft(inputs, rng, context):
-        return _draft_next(bundle, sampling, inputs.replace(context_kv=context), rng)
+        return _draft_next(bundle, sampling, inputs.replace(drafter_cache=context), rng)
 
     def draft_carried(carry):
         """`draft` on inputs carried by `_when`'s loop (through its barrier): were they loop invariants, XLA would
@@ -314,7 +314,7 @@ def _spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sa
             draft_tokens, probs, confidence, context, (inputs, _) = _when(drafting, draft_carried, kept)
             cache = inputs.target_cache
             if drafter.owns_kv_cache:  # a plain step's row still goes into DFlash's own cache
-                inject = lambda c: inject_context(bundle.drafter_params, drafter, c, inputs.new_context)
+                inject = lambda c: inject_context(bundle.drafter_params, drafter, c, inputs.inject_rows)
                 context = _when(~drafting, inject, context)
             choice = jnp.where(drafting, step_choice(estimates, policy, confidence, ~done), 0)
             estimates = estimates._replace(drafted=jnp.broadcast_to(drafting, (batch,)))

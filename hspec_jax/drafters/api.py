@@ -42,8 +42,8 @@ def _example_inputs(config: DrafterConfig) -> DraftInputs:
         anchors=jnp.full((1, 1), rows // 2, jnp.int32),
         seed_hidden=taps[:, :1],
         target_cache=init_cache(target, 1, rows, dtype),
-        context_kv=drafter_context(config, 1, rows),
-        new_context=(taps, jnp.arange(2, dtype=jnp.int32)[None], jnp.zeros((1,), jnp.int32))
+        drafter_cache=drafter_context(config, 1, rows),
+        inject_rows=(taps, jnp.arange(2, dtype=jnp.int32)[None], jnp.zeros((1,), jnp.int32))
         if config.owns_kv_cache
         else None,
         prev_tokens=jnp.zeros((1, 1, t), jnp.int32),
@@ -107,20 +107,20 @@ def draft_blocks(params: dict, config: DrafterConfig, inputs: DraftInputs) -> Dr
     """The one drafter entry point, for training and inference alike: A blocks per sequence `[B, A, T]`.
 
     Every family takes the same `DraftInputs` and ignores what it does not use: H-Spec reads `seed_hidden`
-    and the target cache; DFlash/DSpark their `context_kv` (after injecting `new_context`); "DFlash + target
+    and the target cache; DFlash/DSpark their `drafter_cache` (after injecting `inject_rows`); "DFlash + target
     KV" the target cache. Returns a `DraftOutput` `[B, A, T, ...]` (logits over the draft vocabulary, fp32)."""
     embeds = block_embeddings(params, config, inputs.embedding, inputs.block_tokens)
     return drafter_module(config).apply({"params": params}, embeds, inputs)
 
 
-def inject_context(params: dict, config: DrafterConfig, context_kv, new_context: tuple):
-    """Write the K/V rows of `new_context` (taps `[B, C, F*D]`, positions `[B, C]`, first row `[B]`) into the
+def inject_context(params: dict, config: DrafterConfig, drafter_cache, inject_rows: tuple):
+    """Write the K/V rows of `inject_rows` (taps `[B, C, F*D]`, positions `[B, C]`, first row `[B]`) into the
     drafter's own cache without drafting (what `draft_blocks` injects first) -> the cache. Only for drafters that
     keep one (`config.owns_kv_cache`)."""
     inject = family_of(config).inject
     if inject is None:
         raise TypeError(f"the {family_of(config).name!r} drafter family keeps no cache to inject into")
-    return inject(params, config, context_kv, new_context)
+    return inject(params, config, drafter_cache, inject_rows)
 
 
 def draft_block(
@@ -132,13 +132,13 @@ def draft_block(
     *,
     target_cache: KVCache | None = None,
     seed_hidden: jax.Array | None = None,
-    context_kv: tuple | None = None,
-    new_context: tuple | None = None,
+    drafter_cache: tuple | None = None,
+    inject_rows: tuple | None = None,
     prev_tokens: jax.Array | None = None,
 ) -> DraftOutput:
     """`draft_blocks` with one block per sequence (A = 1), as the engine drafts. block_tokens `[B, T]`
     ([anchor, MASK...]); anchors `[B]` (slot-0 rows = committed lengths); seed_hidden `[B, F*D]`; prev_tokens
-    `[B, T]`; the caches and `new_context` as in `DraftInputs`. Returns a `DraftOutput` `[B, T, ...]`."""
+    `[B, T]`; the caches and `inject_rows` as in `DraftInputs`. Returns a `DraftOutput` `[B, T, ...]`."""
     add_block_axis = lambda x: None if x is None else x[:, None]
     inputs = DraftInputs(
         embedding=embedding,
@@ -146,13 +146,13 @@ def draft_block(
         anchors=anchors[:, None],
         seed_hidden=add_block_axis(seed_hidden),
         target_cache=target_cache,
-        context_kv=context_kv,
-        new_context=new_context,
+        drafter_cache=drafter_cache,
+        inject_rows=inject_rows,
         prev_tokens=add_block_axis(prev_tokens),
     )
     out = draft_blocks(params, config, inputs)
     squeeze = lambda x: None if x is None else x[:, 0]
-    return DraftOutput(squeeze(out.hidden), squeeze(out.logits), squeeze(out.confidence), out.context_kv)
+    return DraftOutput(squeeze(out.hidden), squeeze(out.logits), squeeze(out.confidence), out.drafter_cache)
 
 
 def block_inputs(tokens: jax.Array, anchors: jax.Array, block_size: int, mask_token_id: int, shift: int = 1):
@@ -199,18 +199,24 @@ def training_inputs(
         doc_starts=anchors - positions[rows, anchors],
         seed_hidden=seed_hidden_at(taps, anchors),
         target_cache=target_cache,
-        context_kv=drafter_context(config, batch, length),
-        new_context=(taps, positions, jnp.zeros((batch,), jnp.int32)),
+        drafter_cache=drafter_context(config, batch, length),
+        inject_rows=(taps, positions, jnp.zeros((batch,), jnp.int32)),
         prev_tokens=prev,
     )
 
 
 def decoding_inputs(
-    config: DrafterConfig, embedding: jax.Array, anchor_tokens, target_cache: KVCache, taps, first_row, context_kv=None
+    config: DrafterConfig,
+    embedding: jax.Array,
+    anchor_tokens,
+    target_cache: KVCache,
+    taps,
+    first_row,
+    drafter_cache=None,
 ) -> DraftInputs:
     """The inputs of the next block while decoding (A = 1): anchor_tokens `[B]` sit at row `target_cache.lengths`
     (the committed lengths); taps `[B, C, F*D]` are the target's fused taps of the rows it has just written,
-    first_row .. first_row + C - 1 (first_row `[B]`). A drafter that keeps its own cache (`context_kv`) gets
+    first_row .. first_row + C - 1 (first_row `[B]`). A drafter that keeps its own cache (`drafter_cache`) gets
     those rows to inject."""
     anchors = target_cache.lengths[:, None]
     rows = first_row[:, None] + jnp.arange(taps.shape[1], dtype=jnp.int32)
@@ -220,6 +226,6 @@ def decoding_inputs(
         anchors=anchors,
         seed_hidden=seed_hidden_at(taps, anchors, first_row),
         target_cache=target_cache,
-        context_kv=context_kv,
-        new_context=(taps, rows, first_row) if config.owns_kv_cache else None,
+        drafter_cache=drafter_cache,
+        inject_rows=(taps, rows, first_row) if config.owns_kv_cache else None,
     )

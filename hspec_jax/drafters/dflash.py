@@ -7,7 +7,7 @@ position) into a drafter-side KV cache: a real buffer that grows with the contex
 (`KVBuffers`, or the paged pool of `hspec_jax.serving`: layers are read and written through its accessors).
 The block [anchor, MASK x k] then attends to that cache (rows < anchor) and bidirectionally to itself.
 
-With `inputs.new_context = (taps, positions, first_row)` the call first writes the K/V rows of newly committed context
+With `inputs.inject_rows = (taps, positions, first_row)` the call first writes the K/V rows of newly committed context
 positions into the cache (the "KV injection" whose cost grows with the number of accepted tokens and
 sequences), then drafts. With `kv_source="target"` there is no fusion and no cache: each layer reads one
 mapped target layer's KV cache in place, like H-Spec's attention.
@@ -59,25 +59,25 @@ class DFlashLayer(nn.Module):
 
 class DFlash(nn.Module):
     config: DFlashConfig
-    inject_only: bool = False  # only write inputs.new_context into the drafter cache (a step that drafts nothing)
+    inject_only: bool = False  # only write inputs.inject_rows into the drafter cache (a step that drafts nothing)
 
     @nn.compact
     def __call__(self, embeds, inputs: DraftInputs) -> DraftOutput:
-        """embeds `[B, A, T, D]`; `inputs` (see `DraftInputs`): anchors, doc_starts, prev_tokens, context_kv (the
+        """embeds `[B, A, T, D]`; `inputs` (see `DraftInputs`): anchors, doc_starts, prev_tokens, drafter_cache (the
         drafter cache, `KVBuffers` or a paged equivalent: layer i read and written through its accessors) and
-        new_context (taps `[B, C, F*D]`, positions `[B, C]`, first row `[B]`: context rows to inject first); with
+        inject_rows (taps `[B, C, F*D]`, positions `[B, C]`, first row `[B]`: context rows to inject first); with
         kv_source="target", layer i reads the target cache's layer `target_kv_layer_ids[i]` in place instead.
-        With `inject_only`, embeds may be None: the call only injects new_context and returns the cache."""
+        With `inject_only`, embeds may be None: the call only injects inject_rows and returns the cache."""
         cfg = self.config
         target = cfg.target
         dtype, pdtype = cfg.compute_dtype, cfg.storage_dtype
         reads_target = cfg.kv_source == "target"
-        new_context = None if reads_target else inputs.new_context  # nothing to inject into the target's cache
-        context = inputs.target_cache if reads_target else inputs.context_kv
+        inject_rows = None if reads_target else inputs.inject_rows  # nothing to inject into the target's cache
+        context = inputs.target_cache if reads_target else inputs.drafter_cache
         layer_ids = cfg.target_kv_layer_ids if reads_target else range(cfg.num_layers)
         new_rows = None
-        if new_context is not None:
-            taps, positions, first_row = new_context
+        if inject_rows is not None:
+            taps, positions, first_row = inject_rows
             fc = dense(target.hidden_size, "fc", dtype=dtype, param_dtype=pdtype)
             latent = RMSNorm(target.rms_norm_eps, pdtype, name="hidden_norm")(fc(taps.astype(dtype)))
             new_rows = (latent, positions, first_row)
@@ -91,11 +91,11 @@ class DFlash(nn.Module):
         markov = MarkovHead(target.vocab_size, cfg.vocab_size, cfg.markov_rank, pdtype, name="markov_head")
         confidence = ConfidenceHead(pdtype, name="confidence_head")
         out = apply_heads(cfg, markov, confidence, hidden, logits, inputs.prev_tokens)
-        return out._replace(context_kv=context if new_context is not None else None)
+        return out._replace(drafter_cache=context if inject_rows is not None else None)
 
 
-def inject_context(params: dict, config: DFlashConfig, context_kv, new_context: tuple):
-    """DFlash's `DrafterFamily.inject`: write the K/V rows of `new_context` (taps `[B, C, F*D]`, positions `[B, C]`,
+def inject_context(params: dict, config: DFlashConfig, drafter_cache, inject_rows: tuple):
+    """DFlash's `DrafterFamily.inject`: write the K/V rows of `inject_rows` (taps `[B, C, F*D]`, positions `[B, C]`,
     first row `[B]`) into the drafter cache without drafting (what `draft_block` injects first) -> the cache."""
     inputs = DraftInputs(
         embedding=None,
@@ -103,10 +103,10 @@ def inject_context(params: dict, config: DFlashConfig, context_kv, new_context: 
         anchors=None,
         seed_hidden=None,
         target_cache=None,
-        context_kv=context_kv,
-        new_context=new_context,
+        drafter_cache=drafter_cache,
+        inject_rows=inject_rows,
     )
-    return DFlash(config, inject_only=True).apply({"params": params}, None, inputs).context_kv
+    return DFlash(config, inject_only=True).apply({"params": params}, None, inputs).drafter_cache
 
 
 def empty_context(config: DrafterConfig, batch: int, capacity: int, dtype=None) -> KVBuffers:

@@ -40,7 +40,7 @@ class DrafterFamily:
     * `nested`: config fields holding a nested frozen dataclass -> that class (saved as a dict);
     * `mirrored_layers(config)`: drafter attention layer name -> the target layer whose KV it reads and whose
       q/k/v it copies (`init_from_target`);
-    * `inject(params, config, context_kv, new_context) -> context_kv`: write context rows into the drafter's own
+    * `inject(params, config, drafter_cache, inject_rows) -> drafter_cache`: write context rows into the drafter's own
       cache without drafting, for a family whose `config.cache_layers` can be > 0 (None: it keeps no cache).
     """
 

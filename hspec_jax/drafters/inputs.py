@@ -22,6 +22,6 @@ class DraftInputs:
     doc_starts: jax.Array | None = None  # [B, A] first context row of the anchor's document (None = 0)
     seed_hidden: jax.Array | None = None  # [B, A, F*D] fused target taps at anchor - 1 (H-Spec)
     target_cache: KVCache | None = None  # the target's KV cache, read in place (H-Spec, DFlash + target KV)
-    context_kv: KVBuffers | None = None  # DFlash/DSpark: their own cache, per layer k, v [B, S, K, H]
-    new_context: tuple | None = None  # DFlash/DSpark: (taps [B, C, F*D], positions [B, C], first row [B])
+    drafter_cache: KVBuffers | None = None  # DFlash/DSpark: their own cache, per layer k, v [B, S, K, H]
+    inject_rows: tuple | None = None  # DFlash/DSpark: (taps [B, C, F*D], positions [B, C], first row [B])
     prev_tokens: jax.Array | None = None  # [B, A, T] target id before each slot (Markov head; None = no bias)

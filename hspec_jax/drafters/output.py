@@ -15,7 +15,7 @@ class DraftOutput(NamedTuple):
     hidden: jax.Array  # [B, A, T, D] final-normed hidden states
     logits: jax.Array  # [B, A, T, Vd] fp32; with the Markov bias when prev_tokens were given
     confidence: jax.Array | None  # [B, A, T] fp32 confidence logits (with prev_tokens and a confidence head)
-    context_kv: object | None = None  # DFlash: its drafter-side cache (`KVBuffers` or paged), new rows written
+    drafter_cache: object | None = None  # DFlash: its drafter-side cache (`KVBuffers` or paged), new rows written
 
 
 def draft_logits(module: nn.Module, config, h: jax.Array) -> tuple[jax.Array, jax.Array]:
