@@ -25,8 +25,9 @@ from hspec_jax.chat import chat_prompt_ids
 from hspec_jax.checkpoints import load_target, load_tokenizer
 from hspec_jax.decoding import Bundle, SamplingConfig, pad_batch
 from hspec_jax.decoding.engine import compile_autoregressive, compile_speculative, generate_streaming
-from hspec_jax.decoding.proposal import propose
-from hspec_jax.drafters import draft_block, init_drafter, init_from_target
+from hspec_jax.decoding.speculative import draft_next
+from hspec_jax.drafters import init_drafter, init_from_target
+from hspec_jax.drafters.api import decoding_inputs
 from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.drafters.family import compared_kinds
 from hspec_jax.drafters.vocab import build_draft_vocab
@@ -62,32 +63,20 @@ def isolated_step_times(target, target_params, drafters, context: int, repeats: 
         times[name] = median_time(call, repeats)
     embedding = target_params["embed_tokens"]["embedding"]
     for kind, (config, params, vocab) in drafters.items():
-        masks = jnp.full((1, config.block_size - 1), config.mask_token_id, jnp.int32)
-        block = jnp.concatenate([jnp.ones((1, 1), jnp.int32), masks], 1)  # DSpark: k slots, the others k + 1
+        # The engine's drafting step after a verification of k + 1 rows (the last k + 1 rows of the cache).
         taps = jnp.ones((1, k + 1, len(config.fusion_layer_ids) * target.hidden_size), jnp.float32)
-        positions = jnp.array([context - k - 1], jnp.int32)[:, None] + jnp.arange(k + 1)
+        anchor = jnp.ones((1,), jnp.int32)
 
-        def step(p, c, ctx, config=config, vocab=vocab, taps=taps, positions=positions, block=block):
-            inject_rows = (taps, positions, positions[:, 0]) if config.owns_kv_cache else None
-            out = draft_block(
-                p,
-                config,
-                embedding,
-                block,
-                c.lengths,
-                target_cache=c,
-                seed_hidden=taps[:, -1],
-                drafter_cache=ctx,
-                inject_rows=inject_rows,
-            )
-            logits = out.logits[:, config.first_draft_slot :]
-            return propose(logits, block[:, 0], vocab, GREEDY, jax.random.key(0), p.get("markov_head"))
+        def step(bundle, c, ctx, taps=taps, anchor=anchor):
+            inputs = decoding_inputs(bundle.drafter, embedding, anchor, c, taps, c.lengths - taps.shape[1], ctx)
+            return draft_next(bundle, GREEDY, inputs, jax.random.key(0))
 
+        bundle = Bundle({}, target, params, config, vocab)
         ctx = drafter_context(config, 1, context + 64)
         fn = jax.jit(step)
-        jax.block_until_ready(fn(params, cache, ctx))
+        jax.block_until_ready(fn(bundle, cache, ctx))
         times[f"T_D({k}) {kind}"] = median_time(
-            lambda fn=fn, p=params, ctx=ctx: jax.block_until_ready(fn(p, cache, ctx)), repeats
+            lambda fn=fn, b=bundle, ctx=ctx: jax.block_until_ready(fn(b, cache, ctx)), repeats
         )
     return times
 

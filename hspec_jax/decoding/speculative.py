@@ -105,9 +105,9 @@ class SpecGeneration(NamedTuple):
     context: tuple  # DFlash/DSpark: the drafter-side cache, a real buffer (empty for H-Spec)
 
 
-def _draft_next(bundle: Bundle, sampling, inputs: DraftInputs, rng):
-    """Draft k tokens after the anchor of `inputs` (`decoding_inputs`) -> (tokens `[B, k]`, probs `[B, k, Vd]` or
-    `[B, k, 1]` (greedy), confidence `[B, k]`, drafter cache)."""
+def draft_next(bundle: Bundle, sampling, inputs: DraftInputs, rng):
+    """The engine's drafting step: k tokens after the anchor of `inputs` (`decoding_inputs`) -> (tokens `[B, k]`,
+    probs `[B, k, Vd]` or `[B, k, 1]` (greedy), confidence `[B, k]`, drafter cache)."""
     drafter, drafter_params = bundle.drafter, bundle.drafter_params
     k = drafter.num_drafts
     anchor = inputs.block_tokens[:, 0, 0]
@@ -218,7 +218,7 @@ def spec_prefill(
     token = sample(first_rng, out.logits[:, 0], sampling)
     cache = commit(out.cache, lengths)
     inputs = decoding_inputs(drafter, embedding_matrix(target_params), token, cache, _fused(out.hidden), start, context)
-    draft, probs, confidence, context = _draft_next(bundle, sampling, inputs, draft_rng)
+    draft, probs, confidence, context = draft_next(bundle, sampling, inputs, draft_rng)
     seed = inputs.seed_hidden[:, 0]
     tokens = jnp.full((batch, max_new_tokens + k + 1), pad_id, jnp.int32).at[:, 0].set(token)
     num = jnp.ones((batch,), jnp.int32)
@@ -256,7 +256,7 @@ def _spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sa
         return (s.step < limit) & ~jnp.all(s.done)
 
     def draft(inputs, rng, context):
-        return _draft_next(bundle, sampling, inputs.replace(drafter_cache=context), rng)
+        return draft_next(bundle, sampling, inputs.replace(drafter_cache=context), rng)
 
     def draft_carried(carry):
         """`draft` on inputs carried by `_when`'s loop (through its barrier): were they loop invariants, XLA would
