@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import median_time, write_report
-from hspec_jax.decoding import SamplingConfig
-from hspec_jax.decoding.proposal import propose
-from hspec_jax.drafters import draft_block, full_vocab, init_drafter
-from hspec_jax.drafters.api import mirrored_target_layers
+from hspec_jax.decoding import Bundle, SamplingConfig
+from hspec_jax.decoding.speculative import draft_next
+from hspec_jax.drafters import full_vocab, init_drafter
+from hspec_jax.drafters.api import decoding_inputs, mirrored_target_layers
 from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.drafters.family import compared_kinds
 from hspec_jax.drafters.mamba2 import SCAN_IMPLS, ssd
@@ -38,27 +38,17 @@ KINDS = compared_kinds()
 
 
 def drafter_step_fn(config):
-    """A jitted step `(params, embedding, target_cache, context, lengths, seed, inject_rows, block, rng)
-    -> (tokens, context)`."""
-    vocab = full_vocab(config.vocab_size)  # id maps only; pruning is in the lm_head size
+    """The engine's drafting step, jitted: `(bundle, embedding, target_cache, drafter_cache, taps, rng)
+    -> (tokens, drafter_cache)`, taps `[B, k + 1, F*D]` being the rows verified last (`decoding_inputs`)."""
     greedy = SamplingConfig()
 
-    def step(params, embedding, target_cache, context, lengths, seed, inject_rows, block, rng):
-        out = draft_block(
-            params,
-            config,
-            embedding,
-            block,
-            lengths,
-            target_cache=target_cache,
-            seed_hidden=seed,
-            drafter_cache=context,
-            inject_rows=inject_rows,
+    def step(bundle, embedding, target_cache, drafter_cache, taps, rng):
+        first_row = target_cache.lengths - taps.shape[1]
+        inputs = decoding_inputs(
+            config, embedding, jnp.ones_like(first_row), target_cache, taps, first_row, drafter_cache
         )
-        proposal = propose(
-            out.logits[:, config.first_draft_slot :], block[:, 0], vocab, greedy, rng, params.get("markov_head")
-        )
-        return proposal.tokens, out.drafter_cache if config.owns_kv_cache else context
+        tokens, _, _, drafter_cache = draft_next(bundle, greedy, inputs, rng)
+        return tokens, drafter_cache
 
     # DFlash's cache is donated and updated in place; H-Spec only reads the target's cache.
     return jax.jit(step, donate_argnums=(3,) if config.owns_kv_cache else ())
@@ -69,38 +59,29 @@ def time_step(recipe, kind, batch, context_len, repeats):
     config = drafter_from_recipe(recipe, kind, target)
     rng = np.random.default_rng(0)
     params = jax.jit(lambda: init_drafter(config, jax.random.key(0)))()
+    bundle = Bundle({}, target, params, config, full_vocab(config.vocab_size))  # id maps only: lm_head is pruned
     embedding = jnp.asarray(rng.standard_normal((target.vocab_size, target.hidden_size), np.float32) * 0.02)
     kv_shape = (batch, context_len + 64, target.num_kv_heads, target.head_dim)
     lengths = jnp.full((batch,), context_len, jnp.int32)
-    block = jnp.concatenate(
-        [jnp.ones((batch, 1), jnp.int32), jnp.full((batch, config.num_drafts), config.mask_token_id)], axis=1
-    )
-    fused = len(config.fusion_layer_ids) * target.hidden_size
-    fresh_kv = lambda n: tuple(
-        (jnp.asarray(rng.standard_normal(kv_shape, np.float32)), jnp.asarray(rng.standard_normal(kv_shape, np.float32)))
+    fresh_kv = lambda n, shape=kv_shape: tuple(
+        (jnp.asarray(rng.standard_normal(shape, np.float32)), jnp.asarray(rng.standard_normal(shape, np.float32)))
         for _ in range(n)
     )
-    seed = jnp.ones((batch, fused), jnp.float32)
-    target_cache, inject_rows = None, None
+    # Only the layers the drafter reads hold data; the others alias one small buffer (never read).
     mapped = list(mirrored_target_layers(config).values())
-    if mapped:  # only the layers the drafter reads hold data; the others alias the first (never read)
-        kv = dict(zip(mapped, fresh_kv(len(mapped)), strict=True))
-        layers = [kv.get(i, kv[mapped[0]]) for i in range(target.num_layers)]
-        target_cache = KVCache(tuple(k for k, _ in layers), tuple(v for _, v in layers), lengths)
-    if config.owns_kv_cache:
-        verified = config.num_drafts + 1
-        taps = jnp.ones((batch, verified, fused), jnp.float32)  # the rows verified last step
-        positions = lengths[:, None] - verified + jnp.arange(verified)
-        inject_rows = (taps, positions, positions[:, 0])
-    context = jax.tree.map(lambda x: x + 1.0, drafter_context(config, batch, context_len + 64))
+    kv = dict(zip(mapped, fresh_kv(len(mapped)), strict=True))
+    (unread,) = fresh_kv(1, (batch, 1, target.num_kv_heads, target.head_dim))
+    layers = [kv.get(i, unread) for i in range(target.num_layers)]
+    target_cache = KVCache(tuple(k for k, _ in layers), tuple(v for _, v in layers), lengths)
+    verified = config.num_drafts + 1
+    taps = jnp.ones((batch, verified, len(config.fusion_layer_ids) * target.hidden_size), jnp.float32)
+    drafter_cache = jax.tree.map(lambda x: x + 1.0, drafter_context(config, batch, context_len + 64))
     step = drafter_step_fn(config)
-    state = {"context": context}
+    state = {"drafter_cache": drafter_cache}
 
     def once():
-        tokens, ctx = step(
-            params, embedding, target_cache, state["context"], lengths, seed, inject_rows, block, jax.random.key(1)
-        )
-        state["context"] = ctx  # DFlash's cache is donated and updated in place
+        tokens, cache = step(bundle, embedding, target_cache, state["drafter_cache"], taps, jax.random.key(1))
+        state["drafter_cache"] = cache  # DFlash's cache is donated and updated in place
         tokens.block_until_ready()
 
     once()
