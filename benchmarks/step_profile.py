@@ -28,9 +28,9 @@ from jax._src.lib import _profile_data
 from benchmarks.common import write_report
 from hspec_jax.checkpoints import load_target
 from hspec_jax.decoding import Bundle, SamplingConfig
-from hspec_jax.decoding.proposal import propose
-from hspec_jax.decoding.speculative import spec_decode_chunk, spec_prefill
-from hspec_jax.drafters import draft_block, init_drafter, init_from_target
+from hspec_jax.decoding.speculative import draft_next, spec_decode_chunk, spec_prefill
+from hspec_jax.drafters import init_drafter, init_from_target
+from hspec_jax.drafters.api import decoding_inputs
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.machine import cpu_model
 from hspec_jax.models import forward, init_cache
@@ -162,12 +162,12 @@ def main(argv=None) -> None:
     embedding = params["embed_tokens"]["embedding"]
     greedy = SamplingConfig()
 
-    def draft_step(d, c, seed, block):  # `d`: drafter params (their HLO names start with d__)
-        out = draft_block(d, drafter, embedding, block, c.lengths, target_cache=c, seed_hidden=seed)
-        return propose(out.logits[:, 1:], block[:, 0], vocab, greedy, jax.random.key(0), d.get("markov_head")).tokens
+    def draft_step(b, c, taps):  # the engine's drafting step on the k + 1 rows verified last
+        inputs = decoding_inputs(drafter, embedding, jnp.ones((1,), jnp.int32), c, taps, c.lengths - taps.shape[1])
+        return draft_next(b, greedy, inputs, jax.random.key(0))[0]
 
-    seed = jnp.ones((1, len(drafter.fusion_layer_ids) * target.hidden_size), jnp.float32)
-    block = jnp.concatenate([jnp.ones((1, 1), jnp.int32), jnp.full((1, k), drafter.mask_token_id, jnp.int32)], 1)
+    drafting = Bundle({}, target, dparams, drafter, vocab)
+    verified_taps = jnp.ones((1, k + 1, len(drafter.fusion_layer_ids) * target.hidden_size), jnp.float32)
     results, tops = {}, {}
     for context in (64, 1024):
         cache = init_cache(target, 1, context + 64).replace(lengths=jnp.array([context], jnp.int32))
@@ -180,9 +180,9 @@ def main(argv=None) -> None:
             tops[name] = results[name][2]
             print(name, f"{results[name][0]:.2f} ms", flush=True)
         name = f"T_D({k}) @{context}"
-        compiled = jax.jit(draft_step).lower(dparams, cache, seed, block).compile()
+        compiled = jax.jit(draft_step).lower(drafting, cache, verified_taps).compile()
         results[name] = profile(
-            compiled.as_text(), lambda c=compiled, cache=cache: c(dparams, cache, seed, block), args.calls
+            compiled.as_text(), lambda c=compiled, cache=cache: c(drafting, cache, verified_taps), args.calls
         )
         tops[name] = results[name][2]
         print(name, f"{results[name][0]:.2f} ms", flush=True)
