@@ -69,6 +69,24 @@ def test_greedy_is_lossless_for_every_drafter(kind, target_params, prompts):
 # --- an "oracle" drafter: a near-bigram target and a drafter whose Markov head reproduces its logits ----------
 
 
+def assert_follows(tokens, joint: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Assert that the sampled rows `tokens [n, L]` follow the exact `joint` distribution (outcome -> probability):
+    no row outside its support and a chi-square p-value above 1e-3. Returns (observed, expected) counts."""
+    n = len(tokens)
+    samples = [tuple(row) for row in tokens]
+    outcomes = sorted(joint)
+    observed = np.array([samples.count(o) for o in outcomes])
+    assert observed.sum() == n  # nothing outside the target's support
+    expected = np.array([joint[o] for o in outcomes])
+    expected = expected / expected.sum() * n  # the fp32 probabilities sum to 1 only up to rounding
+    keep = expected >= 5  # chi-square validity; pool the rare outcomes
+    obs = np.append(observed[keep], observed[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    obs, exp = (obs, exp) if exp[-1] > 0 else (obs[:-1], exp[:-1])
+    assert scipy_stats.chisquare(obs, exp).pvalue > 1e-3
+    return observed, expected
+
+
 def bigram_target(target_params, attention_scale):
     """Shrink every layer's contribution: the target becomes (almost, or with scale 0 exactly) a bigram model."""
     params = jax.tree.map(lambda x: x, target_params)
@@ -170,18 +188,7 @@ def test_sampled_outputs_follow_the_target_distribution(layer_scale, noise, expe
         sampling=sampling,
         rng=jax.random.key(11),
     )
-    samples = [tuple(row) for row in np.asarray(spec.tokens)]
-    joint = exact_joint(target, prompt, sampling, length)
-    outcomes = sorted(joint)
-    observed = np.array([samples.count(o) for o in outcomes])
-    assert observed.sum() == n  # nothing outside the target's support
-    expected = np.array([joint[o] for o in outcomes])
-    expected = expected / expected.sum() * n  # the fp32 probabilities sum to 1 only up to rounding
-    keep = expected >= 5  # chi-square validity; pool the rare outcomes
-    obs = np.append(observed[keep], observed[~keep].sum())
-    exp = np.append(expected[keep], expected[~keep].sum())
-    obs, exp = (obs, exp) if exp[-1] > 0 else (obs[:-1], exp[:-1])
-    assert scipy_stats.chisquare(obs, exp).pvalue > 1e-3
+    observed, expected = assert_follows(np.asarray(spec.tokens), exact_joint(target, prompt, sampling, length))
     tv = 0.5 * np.abs(observed / n - expected / n).sum()
     assert tv < 0.05
     # Acceptance statistics of the steps that verified a full block (max_new_tokens=3 stops after one step).

@@ -57,34 +57,12 @@ def target_kv_attention(
     platform = jax.default_backend()
     if impl == "auto":
         impl = auto_impl(platform)
+    mask = dict(window=window, causal=causal, per_query_window=per_query_window)
     if impl == "reference":
-        return reference(
-            q,
-            k_blk,
-            v_blk,
-            k_ctx,
-            v_ctx,
-            anchors,
-            doc_starts,
-            window=window,
-            causal=causal,
-            per_query_window=per_query_window,
-        )
+        return reference(q, k_blk, v_blk, k_ctx, v_ctx, anchors, doc_starts, **mask)
     native = "tpu" if platform == "tpu" else "gpu"
     variant = native if impl == "pallas" else impl.removeprefix("pallas_")
     if platform != "cpu" and variant != native:
         raise ValueError(f"attention impl {impl!r} cannot run on {platform}: use 'pallas' or 'reference'")
     settings = KernelSettings(variant=variant, interpret=platform == "cpu")
-    return pallas_attention(
-        q,
-        k_blk,
-        v_blk,
-        k_ctx,
-        v_ctx,
-        anchors,
-        doc_starts,
-        window=window,
-        causal=causal,
-        per_query_window=per_query_window,
-        settings=settings,
-    )
+    return pallas_attention(q, k_blk, v_blk, k_ctx, v_ctx, anchors, doc_starts, **mask, settings=settings)
