@@ -31,13 +31,56 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
 CHAT = {"messages": [{"role": "user", "content": "Add 2 and 3."}, {"role": "assistant", "content": "5."}]}
 
 
-def train_main(workdir, *args, data=None, timeout=120):
-    """Run `train.main` on the tiny recipe; (exit status, stderr lines)."""
-    cmd = [sys.executable, "-m", "train.main", "--config=configs/tiny.py", f"--workdir={workdir}", *args]
-    if data is not None:
-        cmd.append(f"--config.data.sources={data}")
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
-    return proc.returncode, proc.stderr.strip().splitlines()
+# `python -m train.main`, run by a warm interpreter: every command line is a forked child that runs the module as
+# `__main__` (`runpy`, as `python -m` does), so each costs a fork instead of a fresh interpreter importing JAX,
+# Orbax and Grain (about 4 s of CPU each; these tests start 25 command lines). The parent imports what train.main
+# imports but never the module itself (its flags are defined once, by the child) and never starts a JAX backend.
+DRIVER = """
+import json, os, runpy, signal, sys
+import absl.app, ml_collections.config_flags, hspec_jax.cli, train.loop
+for line in sys.stdin:
+    args, err, timeout = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(timeout)
+        with open(err, "w") as f:
+            os.dup2(f.fileno(), 2)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        sys.argv = ["train.main", *args]
+        code = 0
+        try:
+            runpy.run_module("train.main", run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def train_main(tmp_path_factory):
+    """`train_main(workdir, *args, data=None, config=...)` runs `python -m train.main --config=... --workdir=...
+    *args` (plus `--config.data.sources=data`) and returns (exit status, stderr lines)."""
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER], cwd=ROOT, env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    errors = tmp_path_factory.mktemp("stderr")
+
+    def run(workdir, *args, data=None, config="configs/tiny.py", timeout=120):
+        args = [f"--config={config}", f"--workdir={workdir}", *args]
+        if data is not None:
+            args.append(f"--config.data.sources={data}")
+        err = errors / f"{len(os.listdir(errors))}.txt"
+        driver.stdin.write(json.dumps([args, str(err), timeout]) + "\n")
+        driver.stdin.flush()
+        status = int(driver.stdout.readline())
+        return status, err.read_text().strip().splitlines()
+
+    yield run
+    driver.stdin.close()
+    driver.wait(timeout=60)
 
 
 def assert_one_error(status, lines, code, *parts):
@@ -69,18 +112,17 @@ def write_jsonl(path, lines):
         (["--config.mesh=data=2,fsdp=1,model=1"], 1, ["--config.mesh"]),
         (["--config.drafter.kind=nope"], 1, ["unknown drafter kind 'nope'"]),
         (["--config.train.optimizer=sgd"], 1, ["--config.train.optimizer 'sgd' is unknown"]),
+        (["--config.drafter.mamba_heads=3"], 2, ["--config.drafter.mamba_heads", "no field 'mamba_heads'"]),
     ],
 )
-def test_bad_flags_and_recipe_values_are_one_line_before_anything_is_written(tmp_path, args, code, parts):
+def test_bad_flags_and_recipe_values_are_one_line_before_anything_is_written(train_main, tmp_path, args, code, parts):
     status, lines = train_main(tmp_path / "run", *args)
     assert_one_error(status, lines, code, *parts)
     assert not (tmp_path / "run").exists()
 
 
-def test_a_missing_recipe_file_and_a_file_as_workdir_are_one_line(tmp_path):
-    cmd = [sys.executable, "-m", "train.main", "--config=configs/nope.py", f"--workdir={tmp_path}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
-    assert_one_error(proc.returncode, proc.stderr.strip().splitlines(), 2, "--config: ", "configs/nope.py")
+def test_a_missing_recipe_file_and_a_file_as_workdir_are_one_line(train_main, tmp_path):
+    assert_one_error(*train_main(tmp_path, config="configs/nope.py"), 2, "--config: ", "configs/nope.py")
     afile = tmp_path / "afile"
     afile.write_text("x")
     assert_one_error(*train_main(afile), 1, f"--workdir {afile} is not a directory")
@@ -101,14 +143,14 @@ def test_help_spells_the_flags_as_they_are_accepted():
         ([json.dumps(CHAT), json.dumps({"text": "hi"})], ":2: record has neither 'messages' nor 'conversations'"),
     ],
 )
-def test_a_bad_data_line_is_named_with_its_number_before_anything_is_written(tmp_path, lines, where):
+def test_a_bad_data_line_is_named_with_its_number_before_anything_is_written(train_main, tmp_path, lines, where):
     data = write_jsonl(tmp_path / "chats.jsonl", lines)
     status, err = train_main(tmp_path / "run", data=data)
     assert_one_error(status, err, 1, data + where)
     assert not (tmp_path / "run").exists()
 
 
-def test_a_held_out_file_smaller_than_the_real_tau_prompts_writes_nothing(tmp_path):
+def test_a_held_out_file_smaller_than_the_real_tau_prompts_writes_nothing(train_main, tmp_path):
     data = write_jsonl(tmp_path / "chats.jsonl", [json.dumps(CHAT)] * 8)
     held = write_jsonl(tmp_path / "held.jsonl", [json.dumps(CHAT)] * 3)  # the tiny recipe's real tau needs 4
     status, err = train_main(tmp_path / "run", f"--config.data.held_out={held}", data=data)
@@ -116,7 +158,7 @@ def test_a_held_out_file_smaller_than_the_real_tau_prompts_writes_nothing(tmp_pa
     assert not (tmp_path / "run").exists()
 
 
-def test_a_source_without_usable_conversation_writes_nothing(tmp_path):
+def test_a_source_without_usable_conversation_writes_nothing(train_main, tmp_path):
     data = write_jsonl(tmp_path / "chats.jsonl", [json.dumps({"messages": [{"role": "assistant", "content": "x"}]})])
     (tmp_path / "run").mkdir()
     status, err = train_main(tmp_path / "run", data=data)
@@ -124,7 +166,7 @@ def test_a_source_without_usable_conversation_writes_nothing(tmp_path):
     assert os.listdir(tmp_path / "run") == []
 
 
-def test_resuming_with_another_recipe_names_the_fields_that_differ(tmp_path):
+def test_resuming_with_another_recipe_names_the_fields_that_differ(train_main, tmp_path):
     record_recipe(load_config("tiny"), str(tmp_path))
     before = sorted(os.listdir(tmp_path))
     status, err = train_main(tmp_path, "--config.drafter.kind=dspark", "--config.drafter.draft_vocab_size=32")
@@ -222,9 +264,10 @@ def test_ctrl_c_during_training_says_where_and_exits_130(tmp_path):
         f"--config.data.sources={data}",
         "--config.data.exclude_eval_prompts=False",
         "--config.data.held_out_prompts=0",
-        "--config.data.seq_len=64",
-        "--config.data.max_anchors=4",
-        "--config.train.batch_size=1",
+        # The shapes of tests/test_train_main.py's runs: the same compiled step, from the tests' compilation cache
+        "--config.data.seq_len=128",
+        "--config.data.max_anchors=16",
+        "--config.train.batch_size=2",
         "--config.train.num_steps=100000",
         "--config.train.checkpoint_every=1",
         "--config.train.log_every=1",
