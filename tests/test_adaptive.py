@@ -174,11 +174,11 @@ def test_drafter_state_after_plain_steps_is_what_a_fresh_prefill_gives(kind, tar
     kw = dict(max_new_tokens=32, policy=POLICY)
     bundle = Bundle(target_params, TARGET, params, config, vocab)
 
-    def prefill(tokens):
+    def prefill(tokens):  # one padded width for both prefills: one compiled program
         caches = (init_cache(TARGET, 1, capacity), drafter_context(config, 1, capacity))
-        return spec_prefill(
-            bundle, jnp.asarray([tokens]), jnp.asarray([len(tokens)]), *caches, jax.random.key(0), CPU_LIKE, **kw
-        )
+        padded, lengths = pad_batch([tokens], length=32)
+        rng = jax.random.key(0)
+        return spec_prefill(bundle, jnp.asarray(padded), jnp.asarray(lengths), *caches, rng, CPU_LIKE, **kw)
 
     state, cache, context = prefill(prompt)
     state = state._replace(choice=jnp.int32(0), policy=state.policy._replace(costs=pinned_costs(POLICY, 0)))
@@ -218,10 +218,13 @@ def test_costs_are_measured_once_per_machine_and_shape(tmp_path, monkeypatch):
 
 
 def test_speculative_generate_measures_costs_when_not_given(tmp_path, monkeypatch, target_params, prompts):
+    """Without a cost table the adaptive engine measures one, records it, and stays lossless (the settings of
+    the H-Spec lossless test above, so its compiled programs are reused)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     config, params, vocab = random_drafter("hspec", target_params, np.concatenate(prompts))
-    spec = generate_auto(target_params, params, config, vocab, prompts, None, max_new_tokens=20)
+    kw = dict(max_new_tokens=60, eos_ids=(EOS,))
+    spec = generate_auto(target_params, params, config, vocab, prompts, None, **kw)
     (record,) = (tmp_path / "hspec_jax" / "costs").glob("*.json")
     assert '"costs"' in record.read_text()
-    ar = generate(target_params, TARGET, *(jnp.asarray(x) for x in pad_batch(prompts)), max_new_tokens=20)
+    ar = generate(target_params, TARGET, *(jnp.asarray(x) for x in pad_batch(prompts)), **kw)
     np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))

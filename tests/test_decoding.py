@@ -7,7 +7,8 @@ import pytest
 
 from hspec_jax.decoding import SamplingConfig, generate, pad_batch
 from hspec_jax.decoding.autoregressive import decode, prefill
-from hspec_jax.models import TargetConfig, commit, forward, init_cache, init_params
+from hspec_jax.models import TargetConfig, commit, init_cache, init_params
+from hspec_jax.models import forward as eager_forward
 
 TINY = TargetConfig(
     model_type="qwen3",
@@ -22,6 +23,10 @@ TINY = TargetConfig(
 )
 
 
+# The target forward as the engine runs it (jitted; one program per input shape): op-by-op it is several times slower.
+forward = jax.jit(eager_forward, static_argnums=1)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     """A tiny random target with peaked (large-norm) weights so greedy choices are far from ties."""
@@ -31,6 +36,8 @@ def tiny():
 
 
 def test_prefill_then_decode_equals_one_forward(tiny):
+    """A 12-token prefill, a 4-token block and four single tokens, each reading the cache the previous one
+    committed, give the logits of one forward over all 20 tokens."""
     config, params = tiny
     tokens = jax.random.randint(jax.random.key(2), (2, 20), 0, config.vocab_size)
     full = forward(params, config, tokens, init_cache(config, 2, 32)).logits

@@ -1,6 +1,7 @@
 """Drafters on the tiny recipe: every kind runs jitted with finite gradients, initialisation copies the right
 target layers, and each ablation differs from H-Spec exactly where it should."""
 
+import functools
 import importlib
 
 import jax
@@ -69,8 +70,13 @@ def run(config, params, setup, *, cache=None, hidden=None, anchor_tokens=(5, 9))
         drafter_cache=drafter_context(config, 2, 32),
         inject_rows=(hidden, positions, positions[:, 0]),
     )
-    fn = jax.jit(lambda p, b, a, kw: draft_block(p, config, target_params["embed_tokens"]["embedding"], b, a, **kw))
-    return fn(params, block, anchors, kw)
+    return _draft_block(params, config, target_params["embed_tokens"]["embedding"], block, anchors, kw)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _draft_block(params, config, embedding, block, anchors, kw):
+    """`draft_block` jitted once per (equal) config: the tests that run a kind several times reuse its program."""
+    return draft_block(params, config, embedding, block, anchors, **kw)
 
 
 @pytest.mark.parametrize("kind", DRAFTER_KINDS)
@@ -307,7 +313,7 @@ def test_confidence_head_does_not_train_the_backbone(setup):
     def confidence_only(p):
         return draft_blocks(p, config, inputs).confidence.sum()
 
-    grads = jax.grad(confidence_only)(params)
+    grads = jax.jit(jax.grad(confidence_only))(params)
     assert float(jnp.abs(grads["confidence_head"]["proj"]["kernel"]).sum()) > 0
     others = [g for k, g in grads.items() if k != "confidence_head"]
     assert all(float(jnp.abs(x).sum()) == 0 for x in jax.tree.leaves(others))

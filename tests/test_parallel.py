@@ -100,14 +100,21 @@ def test_an_unmatched_parameter_is_an_error_naming_its_path():
 @pytest.mark.slow
 @pytest.mark.xdist_group("processes")
 def test_sharded_decoding_equals_one_device():
+    """Greedy plain, H-Spec and DSpark decoding on three 8-device meshes (tests/sharded_run.py) give one device's
+    tokens, and the caches and weights are placed as the sharding rules say."""
     script = os.path.join(os.path.dirname(__file__), "sharded_run.py")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, script], capture_output=True, text=True, cwd=root, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     single = results["single"]
+    assert set(single) == {"ar", "hspec", "dspark"}
+    for method in single:  # each decoder on two meshes, each mesh decoding with two decoders
+        assert sum(method in results[mesh] for mesh in MESHES) == 2, method
     for mesh in MESHES:
-        for method in ("ar", "hspec", "dspark"):
+        decoded = [m for m in single if m in results[mesh]]
+        assert len(decoded) == 2, (mesh, decoded)
+        for method in decoded:
             assert results[mesh][method] == single[method], (mesh, method)
     assert results["data=8"]["hspec_cache_sharding"] == "P('data',)"
     assert results["data=4,model=2"]["dspark_cache_sharding"] == "P('data', None, 'model')"
