@@ -47,16 +47,16 @@ def get_config():
         draft_vocab_size=16384,
         markov_rank=64,
     )
-    # Target-written text only (data/README.md): the target's own answers to ShareGPT prompts and to Magpie-style
-    # instructions it wrote, in equal shares. Held out: 64 more ShareGPT prompts it answered, never trained on
+    # Target-written text only (data/README.md): the target's own answers to ShareGPT first turns (the growing
+    # `smollm2_sharegpt_v2.jsonl`) and to Magpie-style instructions it wrote, weighted about by their sizes (each
+    # conversation is drawn about equally often). Held out: 64 more ShareGPT prompts it answered, never trained on
     # (a training conversation sharing a prompt with them is dropped), measured every `eval_every` steps.
-    regen = os.path.join(DATA, "smollm2_regen_sharegpt.jsonl")
+    sharegpt = os.path.join(DATA, "smollm2_sharegpt_v2.jsonl")
     magpie = os.path.join(DATA, "smollm2_magpie.jsonl")
-    c.data.sources = f"regen={regen}:1,magpie={magpie}:1"
+    c.data.sources = f"regen={sharegpt}:10,magpie={magpie}:1"
     c.data.held_out = os.path.join(DATA, "smollm2_heldout.jsonl")
-    # The first of the 7 packed batches the held-out set fills (12 conversations, 512 blocks, 2,203 supervised
-    # tokens): 19 s per evaluation on the shared 2-core CPU; held_out_batches=7 covers all 64 conversations.
-    c.data.held_out_batches = 1
+    # All 7 packed batches the held-out set fills (64 conversations, 11,517 assistant tokens).
+    c.data.held_out_batches = 7
     # Sized for the 2-core CPU machine: 4 packed rows of 1024 tokens and 128 anchors each per step.
     c.data.seq_len = 1024
     c.data.max_anchors = 128
