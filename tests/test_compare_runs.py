@@ -40,6 +40,8 @@ def test_in_sample_means_and_held_out_rates_by_eval_step(tmp_path, capsys):
         ],
     )
     b = write_run(tmp_path, "b", [logged(30, [0.1, 0.1, 0.3], [0.2, 0.2, 0.2], tau=1.5)])  # tau only
+    with open(os.path.join(a, "recipe.json"), "w") as f:
+        json.dump({"train": {"batch_size": 4}, "data": {"seq_len": 2048}}, f)
     out = tmp_path / "table.md"
     assert compare_runs.main([f"H-Spec={a}", b, "--last", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
@@ -47,17 +49,32 @@ def test_in_sample_means_and_held_out_rates_by_eval_step(tmp_path, capsys):
     assert "| H-Spec | 30 | acc (in-sample) | 0.500 | 0.100 | - |" in text
     assert "| H-Spec | 30 | overlap (in-sample) | 0.600 | 0.200 | - |" in text
     assert "| b | 30 | acc (in-sample) | 0.100 | 0.100 | 0.300 |" in text
-    assert "| run | step | held-out acc 1 | held-out acc 2 | held-out sim accept len | real tau |" in text
-    assert "| H-Spec | 20 | 0.300 | 0.100 | 1.330 | 1.250 |" in text
-    assert "| H-Spec | 30 | 0.350 | 0.200 | 1.420 | 1.500 |" in text
-    assert "| b | 30 | - | - | - | 1.500 |" in text
+    header = "| run | step | tokens trained on | held-out acc 1 | held-out acc 2 | held-out sim accept len | real tau |"
+    assert header in text
+    assert "| H-Spec | 20 | 0.16M | 0.300 | 0.100 | 1.330 | 1.250 |" in text  # 20 steps x 4 rows x 2048 tokens
+    assert "| H-Spec | 30 | 0.25M | 0.350 | 0.200 | 1.420 | 1.500 |" in text
+    assert "| b | 30 | - | - | - | - | 1.500 |" in text  # no recipe.json: tokens unknown
     assert "| H-Spec | 10 |" not in text  # not an evaluation step
 
 
-def test_no_evaluation_step_no_held_out_table(tmp_path, capsys):
-    assert compare_runs.main([write_run(tmp_path, "r", [logged(10, [0.5], [0.5])])]) == 0
+def test_learning_curves_png_from_step_0(tmp_path, capsys):
+    """--plot draws the evaluation steps, step 0 (the starting drafter, no training metrics) included."""
+    start = {"step": 0, "tau": 1.1, **held_out([0.2], 1.2)}
+    workdir = write_run(tmp_path, "r", [start, logged(10, [0.5], [0.5], tau=1.3, **held_out([0.3], 1.3))])
+    png = tmp_path / "curve.png"
+    assert compare_runs.main([workdir, "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "| r | 0 | - | 0.200 | 1.200 | 1.100 |" in text and f"wrote {png}" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_no_evaluation_step_no_held_out_table_and_nothing_to_plot(tmp_path, capsys):
+    workdir = write_run(tmp_path, "r", [logged(10, [0.5], [0.5])])
+    assert compare_runs.main([workdir]) == 0
     text = capsys.readouterr().out
     assert "| r | 10 | acc (in-sample) | 0.500 |" in text and "held-out" not in text
+    assert run(compare_runs.main, [workdir, "--plot", str(tmp_path / "c.png")]) == 1
+    assert "--plot: no run has an evaluation step" in capsys.readouterr().err
 
 
 def test_records_are_taken_in_step_order(tmp_path):

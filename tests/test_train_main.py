@@ -90,8 +90,10 @@ def start(cmd, env=ENV, **kw):
 
 
 def losses(workdir):
+    """The training steps' losses (not step 0: the starting drafter's evaluation, when logged)."""
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
+    rows = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # every step once, in order
     return [r["loss"] for r in rows]
 
@@ -120,16 +122,18 @@ def straight(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.xdist_group("processes")
 def test_held_out_metrics_at_eval_steps_and_held_out_prompts_never_trained_on(straight):
-    """The held-out metrics are logged at evaluation steps only and agree with each other and the printed
-    result; the held-out conversation that repeats a training one is dropped from training and named."""
+    """The held-out metrics are logged at evaluation steps only, and at step 0 for the starting drafter (a record
+    with no training metrics), and agree with each other and the printed result; the held-out conversation that
+    repeats a training one is dropped from training and named."""
     _, straight, result, _ = straight
     with open(straight / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     slots = range(1, 8)  # the tiny recipe drafts 7 tokens per block
     expected = {*(f"heldout_acc_{k}" for k in slots), *(f"heldout_overlap_{k}" for k in slots)}
     expected |= {"heldout_sim_accept_len", "heldout_loss", "heldout_supervised_slots", "tau"}
-    assert [r["step"] for r in rows if expected <= set(r)] == [NUM_STEPS]  # eval_every=NUM_STEPS: the last step only
-    assert not any(key.startswith("heldout_") for r in rows[:-1] for key in r)
+    assert [r["step"] for r in rows if expected <= set(r)] == [0, NUM_STEPS]  # eval_every=NUM_STEPS: start and end
+    assert all(key.startswith(("heldout_", "tau", "accept_")) for key in rows[0] if key != "step")  # no training
+    assert not any(key.startswith("heldout_") for r in rows[1:-1] for key in r)
     final = rows[-1]
     assert all(0.0 <= final[f"heldout_acc_{k}"] <= 1.0 for k in slots)
     agree = [final[f"heldout_acc_{k}"] for k in slots]

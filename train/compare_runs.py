@@ -1,4 +1,4 @@
-"""Compare training runs by what they logged: `python -m train.compare_runs RUN_DIR... [--last N] [--out FILE]`.
+"""Training runs side by side: `python -m train.compare_runs RUN_DIR... [--last N] [--out FILE] [--plot PNG]`.
 
 In-sample: every logged step's metrics are measured on that step's training batch before the update (rows the
 run may have trained on in an earlier epoch). Per draft slot k it prints their mean over the last N logged steps
@@ -6,10 +6,12 @@ of the greedy agreement `acc_k` (the drafter's top token is the target's) and th
 `overlap_k` (sum over the vocabulary of min(p, q)), each over all blocks, not only those whose earlier slots
 were accepted: a drafter whose rates fall faster with k is one that decays at later positions.
 
-Held-out: at every evaluation step (`eval_every`) it prints the same training-path agreement `heldout_acc_k` and
-simulated accept length `heldout_sim_accept_len` (1 + sum_k prod_{j<=k} acc_j) on the run's fixed held-out
-conversations, never trained on, beside the engine's real tau on held-out prompts. A gap between in-sample and
-held-out agreement is memorisation.
+Held-out: at every evaluation step (`eval_every`; step 0 is the starting drafter) it prints the same training-path
+agreement `heldout_acc_k` and simulated accept length `heldout_sim_accept_len` (1 + sum_k prod_{j<=k} acc_j) on the
+run's fixed held-out conversations, never trained on, beside the engine's real tau on held-out prompts and the
+tokens trained on by then (step x global batch x sequence length, from the run's recipe.json: rows are packed
+full). A gap between in-sample and held-out agreement is memorisation. `--plot FILE` draws the learning curves:
+held-out slot-1 agreement and real tau against steps and against tokens trained on.
 """
 
 from __future__ import annotations
@@ -47,6 +49,17 @@ def read_metrics(workdir: str) -> list[dict]:
     if not records:
         raise InputError(f"{path} has no records")
     return sorted(records, key=lambda r: r["step"])
+
+
+def tokens_per_step(workdir: str) -> int | None:
+    """Tokens in one global training batch (batch size x sequence length) by the run's recipe.json; None without
+    one."""
+    path = os.path.join(workdir, "recipe.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        recipe = json.load(f)
+    return int(recipe["train"]["batch_size"]) * int(recipe["data"]["seq_len"])
 
 
 def slot_means(records: list[dict], prefix: str, last: int) -> list[float]:
@@ -93,9 +106,13 @@ def in_sample_table(names: list[str], runs: list[list[dict]], last: int) -> list
     return lines
 
 
-def held_out_table(names: list[str], runs: list[list[dict]]) -> list[str]:
-    """Markdown lines: per run and evaluation step, the held-out per-slot agreement and simulated accept length
-    beside the real tau (none without evaluation steps)."""
+def trained_tokens(record: dict, per_step: int | None) -> str:
+    return f"{record['step'] * per_step / 1e6:.2f}M" if per_step else "-"
+
+
+def held_out_table(names: list[str], runs: list[list[dict]], per_step: list[int | None]) -> list[str]:
+    """Markdown lines: per run and evaluation step, the tokens trained on, the held-out per-slot agreement and
+    simulated accept length beside the real tau (none without evaluation steps)."""
     evals = [eval_records(records) for records in runs]
     if not any(evals):
         return []
@@ -105,22 +122,52 @@ def held_out_table(names: list[str], runs: list[list[dict]]) -> list[str]:
         "Held-out (fixed conversations never trained on): training-path agreement per slot and simulated accept "
         "length; real tau: the engine, greedy, on held-out prompts.",
         "",
-        "| run | step | "
+        "| run | step | tokens trained on | "
         + "".join(f"held-out acc {k} | " for k in range(1, slots + 1))
         + "held-out sim accept len | real tau |",
-        "|---|---|" + "---|" * (slots + 2),
+        "|---|---|---|" + "---|" * (slots + 2),
     ]
-    for name, records in zip(names, evals, strict=True):
+    for name, records, tokens in zip(names, evals, per_step, strict=True):
         for r in records:
-            cells = [cell(r, f"{HELD_OUT}acc_{k}") for k in range(1, slots + 1)]
+            cells = [trained_tokens(r, tokens)] + [cell(r, f"{HELD_OUT}acc_{k}") for k in range(1, slots + 1)]
             cells += [cell(r, f"{HELD_OUT}sim_accept_len"), cell(r, "tau")]
             lines.append(f"| {name} | {r['step']} | " + " | ".join(cells) + " |")
     return lines
 
 
-def table(names: list[str], runs: list[list[dict]], last: int) -> str:
+def table(names: list[str], runs: list[list[dict]], last: int, per_step: list[int | None]) -> str:
     """The markdown comparison of the runs: the in-sample table, then the held-out one."""
-    return "\n".join(in_sample_table(names, runs, last) + held_out_table(names, runs)) + "\n"
+    return "\n".join(in_sample_table(names, runs, last) + held_out_table(names, runs, per_step)) + "\n"
+
+
+def plot_learning_curves(path: str, names: list[str], runs: list[list[dict]], per_step: list[int | None]) -> None:
+    """A PNG of 2 x 2 panels: held-out slot-1 agreement (top) and real tau (bottom) against steps (left) and
+    against millions of tokens trained on (right; runs without a recipe.json are left out there)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharey="row")
+    metrics = ((f"{HELD_OUT}acc_1", "held-out slot-1 agreement"), ("tau", "real tau (held-out prompts, greedy)"))
+    for row, (key, label) in enumerate(metrics):
+        for name, records, tokens in zip(names, runs, per_step, strict=True):
+            points = [(r["step"], r[key]) for r in eval_records(records) if key in r]
+            if not points:
+                continue
+            steps, values = zip(*points, strict=True)
+            axes[row][0].plot(steps, values, marker="o", label=name)
+            if tokens:
+                axes[row][1].plot([s * tokens / 1e6 for s in steps], values, marker="o", label=name)
+        axes[row][0].set_ylabel(label)
+        for col in (0, 1):
+            axes[row][col].grid(alpha=0.3)
+    axes[1][0].set_xlabel("training step")
+    axes[1][1].set_xlabel("tokens trained on (millions)")
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,19 +175,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", help="train.main work directories; NAME=DIR names a run")
     parser.add_argument("--last", type=positive_int, default=10, help="logged steps to average the per-slot rates over")
     parser.add_argument("--out", help="also write the table to this markdown file")
+    parser.add_argument("--plot", help="also draw the held-out learning curves to this PNG file")
     args = parser.parse_args(argv)
-    if args.out and os.path.isdir(args.out):
-        raise InputError(f"--out {args.out} is a directory, not a file")
-    names, runs = [], []
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+        if path and os.path.isdir(path):
+            raise InputError(f"{flag} {path} is a directory, not a file")
+    names, runs, per_step = [], [], []
     for spec in args.runs:
         name, _, workdir = spec.rpartition("=")
         names.append(name or os.path.basename(os.path.normpath(workdir)))
         runs.append(read_metrics(workdir))
-    text = table(names, runs, args.last)
+        per_step.append(tokens_per_step(workdir))
+    text = table(names, runs, args.last, per_step)
     print(text, end="")
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+    if args.plot:
+        if not any(eval_records(records) for records in runs):
+            raise InputError("--plot: no run has an evaluation step (held-out metrics or a real tau) to draw")
+        plot_learning_curves(args.plot, names, runs, per_step)
+        print(f"wrote {args.plot}")
     return 0
 
 

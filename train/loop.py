@@ -324,6 +324,13 @@ def held_out_metrics(run: Run, evaluate, params: dict, weights) -> dict:
     return {f"heldout_{name}": value for name, value in scalars(metrics).items()}
 
 
+def evaluation(run: Run, evaluate, params: dict, weights) -> dict:
+    """What an evaluation step logs: the held-out training-path metrics and the engine's real tau, each when the
+    run has their data (held-out batches, held-out prompts)."""
+    out = held_out_metrics(run, evaluate, params, weights) if run.held_out_batches else {}
+    return {**out, **(real_tau(run, params) if run.held_out else {})}
+
+
 def host_params(params: dict) -> dict:
     """The full parameter values on this host (gathered from every process when sharded across them)."""
     if jax.process_count() > 1:
@@ -381,7 +388,8 @@ def scalar_tag(name: str) -> str:
 
 
 class MetricsLog:
-    """metrics.jsonl (truncated to the resumed step, so a resumed run's log has each step once) and TensorBoard."""
+    """metrics.jsonl (truncated to the resumed step, so a resumed run's log has each step once; emptied when a run
+    starts from step 0) and TensorBoard. Step 0, when logged, holds the starting drafter's evaluation only."""
 
     def __init__(self, workdir: str, resume_step: int):
         self.path = os.path.join(workdir, "metrics.jsonl")
@@ -389,7 +397,7 @@ class MetricsLog:
         if not self.active:
             return
         kept = []
-        if os.path.exists(self.path):
+        if resume_step and os.path.exists(self.path):
             with open(self.path) as f:
                 kept = [line for line in f if _logged_step(line) is not None and _logged_step(line) <= resume_step]
         partial = self.path + ".partial"
@@ -561,6 +569,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "data.json"), "w") as f:
             json.dump(run.data_report, f, indent=2)
+    if start == 0 and tc.eval_every and (run.held_out_batches or run.held_out):
+        metrics_log.write(0, evaluation(run, evaluate, state.params, weights))  # the learning curve's origin
     last: dict = {}
     tokens_done, clock = 0, time.perf_counter()
     done, bar = start, None
@@ -577,10 +587,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 last["tokens_per_s"] = tokens_done / elapsed
                 tokens_done, clock = 0, time.perf_counter()
                 if tc.eval_every and (step % tc.eval_every == 0 or step == tc.num_steps):
-                    if run.held_out_batches:
-                        last.update(held_out_metrics(run, evaluate, state.params, weights))
-                    if run.held_out:
-                        last.update(real_tau(run, state.params))
+                    last.update(evaluation(run, evaluate, state.params, weights))
                     clock = time.perf_counter()  # evaluation is not training time
                 metrics_log.write(step, last)
                 bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
