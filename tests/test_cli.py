@@ -49,8 +49,10 @@ def test_generate_compares_the_shipped_drafter_then_converted_targets_generate_t
     """`generate --compare` on SmolLM2 with the shipped drafter: plain decoding answers the question, draft-and-verify
     prints the same text with its tau, steps and acceptance and a speedup over one warm run. Then SmolLM2 converted
     to Orbax and to HF generates that same text and token count (the plain run above is the reference: one
-    SmolLM2 generation fewer; the converted targets time their printed run, --repeats 0)."""
-    args = ["--target", "smollm2", "--drafter", "smollm2-hspec", "--k", "3", "--compare", "--repeats", "1"]
+    SmolLM2 generation fewer; the converted targets time their printed run, --repeats 0). Every run has the same
+    cache length, so the second converted target reuses the first one's compiled programs."""
+    shapes = ["--cache-length", "64"]
+    args = ["--target", "smollm2", "--drafter", "smollm2-hspec", "--k", "3", "--compare", "--repeats", "1", *shapes]
     assert cli.run(generate.main, ["--max-new-tokens", "16", "--prompt", "What is the capital of France?", *args]) == 0
     out = capsys.readouterr().out
     plain_part, spec_part = out.split("== draft-and-verify with smollm2-hspec, k=3\n")
@@ -69,4 +71,4 @@ def test_generate_compares_the_shipped_drafter_then_converted_targets_generate_t
         out_dir = str(tmp_path / fmt)
         assert cli.run(convert.main, ["--from", "smollm2", "--to", out_dir, "--format", fmt]) == 0
         capsys.readouterr()
-        assert run_generate(capsys, "--target", out_dir, "--repeats", "0") == (plain_text, n)
+        assert run_generate(capsys, "--target", out_dir, "--repeats", "0", *shapes) == (plain_text, n)
