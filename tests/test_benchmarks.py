@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 
-from benchmarks import decode_attention, drafter_recipes, matmul_rows, vocab_coverage
+from benchmarks import decode_attention, drafter_recipes, matmul_rows, ngram_baseline, vocab_coverage
 from benchmarks.spec_overhead import KINDS, isolated_step_times
 from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.vocab import build_draft_vocab
@@ -63,3 +63,12 @@ def test_vocab_coverage_counts_tokens_inside_the_vocabulary_per_task_and_overall
     t2d[[1, 2, 3]] = True
     answers = {"math": [[1, 2], [5]], "code": [[3, 3, 7, 9]]}
     assert vocab_coverage.coverage(answers, t2d) == {"math": 2 / 3, "code": 0.5, "all": 4 / 7}
+
+
+def test_ngram_baseline_counts_supervised_transitions_and_backs_off():
+    """Training: after (1, 5) comes 7, after (2, 5) comes 8 (twice, so the bigram of 5 says 8), 9 is the most
+    frequent token. Held out: the trigram gets both contexts right, the bigram one, an unseen anchor falls back."""
+    train = [[(1, 5, 7), (2, 5, 8), (3, 5, 8), (4, 6, 9), (4, 6, 9), (4, 6, 9)]]
+    held_out = [[(1, 5, 7), (2, 5, 8), (0, 42, 9)]]
+    result = ngram_baseline.score(ngram_baseline.fit(train), held_out)
+    assert result == {"positions": 3, "unigram": 1 / 3, "bigram": 2 / 3, "trigram": 1.0}
