@@ -25,6 +25,7 @@ import numpy as np
 from benchmarks.common import median_time, write_report
 from hspec_jax.checkpoints import load_target
 from hspec_jax.drafters import init_drafter, init_from_target
+from hspec_jax.drafters.api import mirrored_target_layers
 from hspec_jax.drafters.family import compared_kinds
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.machine import cpu_model
@@ -57,7 +58,7 @@ def synthetic_batch(rng, vocab_size: int, batch: int, length: int, anchors: int,
 def cached_bytes_per_token(drafter, target) -> int:
     """bf16 bytes per token of a feature cache for `drafter`'s training: every fused tap, the last layer's output,
     and K and V of each target layer whose cache the drafter reads."""
-    read_layers = getattr(drafter, "attn_kv_layer_ids", ()) or getattr(drafter, "target_kv_layer_ids", ())
+    read_layers = set(mirrored_target_layers(drafter).values())
     taps = len(drafter.fusion_layer_ids) + 1
     return 2 * (taps * target.hidden_size + len(read_layers) * 2 * target.num_kv_heads * target.head_dim)
 
