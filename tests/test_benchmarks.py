@@ -1,14 +1,17 @@
 """The benchmarks' own step functions still run with today's drafter API (they are not run by the suite otherwise)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import decode_attention, drafter_recipes, matmul_rows, ngram_baseline, vocab_coverage
+from benchmarks import decode_attention, drafter_ablation, drafter_recipes, matmul_rows, ngram_baseline, vocab_coverage
 from benchmarks.spec_overhead import KINDS, isolated_step_times
 from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.models import init_params
 from hspec_jax.recipes import drafter_from_recipe, load_config, target_config
+from train.losses import recipe_weights
+from train.step import StepConfig
 
 
 def test_spec_overhead_isolated_steps_run_for_every_kind_on_tiny():
@@ -72,3 +75,40 @@ def test_ngram_baseline_counts_supervised_transitions_and_backs_off():
     held_out = [[(1, 5, 7), (2, 5, 8), (0, 42, 9)]]
     result = ngram_baseline.score(ngram_baseline.fit(train), held_out)
     assert result == {"positions": 3, "unigram": 1 / 3, "bigram": 2 / 3, "trigram": 1.0}
+
+
+def test_drafter_ablation_without_the_seed_state_is_the_drafter_with_a_zero_seed():
+    """`no seed state` scores exactly the drafter whose seed projections output zeros (S0 = 0), and differs from the
+    drafter as trained; `no target KV` changes the scores too."""
+    recipe = load_config("tiny")
+    target = target_config(recipe)
+    target_params = init_params(target, jax.random.key(0))
+    drafter = drafter_from_recipe(recipe, "hspec", target)
+    vocab = build_draft_vocab(np.arange(target.vocab_size), target.vocab_size, drafter.vocab_size)
+    params = init_from_target(init_drafter(drafter, jax.random.key(1)), drafter, target_params, vocab)
+    tokens = np.asarray(jax.random.randint(jax.random.key(2), (1, 48), 4, target.vocab_size), np.int32)
+    batch = {
+        "tokens": tokens,
+        "positions": np.arange(48, dtype=np.int32)[None],
+        "doc_ids": np.zeros((1, 48), np.int32),
+        "loss_mask": np.arange(48)[None] >= 8,
+        "anchors": np.arange(8, 40, 2, dtype=np.int32)[None],
+        "anchor_valid": np.ones((1, 16), bool),
+    }
+    weights = recipe_weights("hspec")
+
+    def score(p, **fields):
+        config = StepConfig(target, drafter.replace(**fields), weights, anchors_per_chunk=8)
+        return drafter_ablation.held_out_agreement(config, p, target_params, vocab, [batch])
+
+    zero_seed = {
+        name: jax.tree.map(jnp.zeros_like, value) if name.startswith("seed_projs") else value
+        for name, value in params.items()
+    }
+    no_seed = score(params, **drafter_ablation.VARIANTS["no seed state"])
+    assert no_seed.keys() == score(zero_seed).keys()
+    for name, value in score(zero_seed).items():
+        np.testing.assert_allclose(value, no_seed[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    as_trained = score(params)
+    assert as_trained["ce"] != no_seed["ce"]
+    assert as_trained["ce"] != score(params, **drafter_ablation.VARIANTS["no target KV"])["ce"]
