@@ -33,7 +33,13 @@ from hspec_jax.decoding.policy import (
     step_choice,
     wants_draft,
 )
-from hspec_jax.decoding.speculative import spec_decode_chunk, spec_prefill, speculative_generate
+from hspec_jax.decoding.speculative import (
+    PENDING_ROWS,
+    spec_decode,
+    spec_decode_chunk,
+    spec_prefill,
+    speculative_generate,
+)
 from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.models import init_cache
 
@@ -168,17 +174,23 @@ def test_auto_sampled_outputs_follow_the_target_distribution(costs, target_param
 @pytest.mark.parametrize("kind", ["hspec", "dflash"])
 def test_drafter_state_after_plain_steps_is_what_a_fresh_prefill_gives(kind, target_params, prompts):
     """Plain steps skip the drafter, yet the next draft (and DFlash's own cache rows) equal those of a prefill
-    of the whole committed text: H-Spec's seed is the last committed row, DFlash injects every plain step's row."""
+    of the whole committed text: H-Spec's seed is the last committed row; DFlash keeps plain steps' rows pending,
+    injects them once `PENDING_ROWS` wait and the rest with the next drafting step's, and a finished decode hands
+    back a cache holding every committed row."""
     config, params, vocab = random_drafter(kind, target_params, np.concatenate(prompts))
-    prompt, capacity, plain_steps = prompts[1], 64, 6
+    prompt, capacity, plain_steps = prompts[1], 64, PENDING_ROWS + 2
     kw = dict(max_new_tokens=32, policy=POLICY)
     bundle = Bundle(target_params, TARGET, params, config, vocab)
 
-    def prefill(tokens):  # one padded width for both prefills: one compiled program
+    def prefill(tokens, costs=CPU_LIKE):  # one padded width for every prefill: one compiled program
         caches = (init_cache(TARGET, 1, capacity), drafter_context(config, 1, capacity))
-        padded, lengths = pad_batch([tokens], length=32)
+        padded, lengths = pad_batch([tokens], length=48)
         rng = jax.random.key(0)
-        return spec_prefill(bundle, jnp.asarray(padded), jnp.asarray(lengths), *caches, rng, CPU_LIKE, **kw)
+        return spec_prefill(bundle, jnp.asarray(padded), jnp.asarray(lengths), *caches, rng, costs, **kw)
+
+    def assert_same_drafter_rows(context, fresh_context, committed):
+        for mine, theirs in zip(jax.tree.leaves(context), jax.tree.leaves(fresh_context), strict=True):
+            np.testing.assert_allclose(np.asarray(mine)[:, :committed], np.asarray(theirs)[:, :committed], atol=1e-4)
 
     state, cache, context = prefill(prompt)
     state = state._replace(choice=jnp.int32(0), policy=state.policy._replace(costs=pinned_costs(POLICY, 0)))
@@ -194,8 +206,15 @@ def test_drafter_state_after_plain_steps_is_what_a_fresh_prefill_gives(kind, tar
     np.testing.assert_allclose(np.asarray(state.seed), np.asarray(fresh.seed), atol=1e-4)
     committed = int(cache.lengths[0])
     assert committed == int(fresh_cache.lengths[0])
-    for mine, theirs in zip(jax.tree.leaves(context), jax.tree.leaves(fresh_context), strict=True):
-        np.testing.assert_allclose(np.asarray(mine)[:, :committed], np.asarray(theirs)[:, :committed], atol=1e-4)
+    assert_same_drafter_rows(context, fresh_context, committed)
+    # Plain steps to the end: the handed-back drafter cache holds every committed row.
+    state, cache, context = prefill(prompt, pinned_costs(POLICY, 0))
+    gen = spec_decode(bundle, state._replace(choice=jnp.int32(0)), cache, context, **kw)
+    emitted = [int(t) for t in np.asarray(gen.tokens[0, : int(gen.num_tokens[0])])]
+    assert len(emitted) == 32 and int(gen.stats.chosen[0, 0]) == 31  # all plain: 31 steps after the first token
+    _, fresh_cache, fresh_context = prefill(prompt + emitted[:-1])
+    assert int(gen.cache.lengths[0]) == int(fresh_cache.lengths[0]) == len(prompt) + 31
+    assert_same_drafter_rows(gen.context, fresh_context, len(prompt) + 31)
 
 
 def test_costs_are_measured_once_per_machine_and_shape(tmp_path, monkeypatch):

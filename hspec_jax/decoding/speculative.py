@@ -13,8 +13,9 @@ Per step, for every sequence of the batch (all on device, in one `lax.while_loop
 
 With an `AdaptivePolicy` (`policy.py`) the number of drafts verified changes per step, among a few compiled
 widths, each run only when chosen (k = 0 is a plain step: one position verified, and the drafter not called for
-the step after, unless its policy decides to draft: step 4 is then skipped, except that DFlash/DSpark still
-inject the new rows into their cache). Without one, every step verifies the drafter's k.
+the step after, unless its policy decides to draft: step 4 is then skipped; DFlash/DSpark keep the new row pending
+and inject the pending rows with the next drafting step's, or on their own every `PENDING_ROWS` plain steps). Without
+one, every step verifies the drafter's k.
 
 Sequences stop at EOS, `max_new_tokens`, or when the cache has no room for another block of k+1 rows.
 `spec_decode` runs the loop to the end; `spec_decode_chunk` runs a few steps of it, for streaming.
@@ -79,6 +80,54 @@ class SpecStats(NamedTuple):
         return [float(a) / float(r) if r else float("nan") for a, r in zip(accepted, reached, strict=True)]
 
 
+# How many rows plain steps collect before a drafter that keeps its own cache (DFlash/DSpark) gets them in one
+# injection: injecting each plain step's row alone would cost a drafter projection (a read of its weights) per step.
+PENDING_ROWS = 8
+
+
+class Pending(NamedTuple):
+    """Rows that plain steps (k = 0) committed and that are not yet in the drafter's own cache: they are injected
+    together with the next drafting step's rows, or on their own once `PENDING_ROWS` are waiting."""
+
+    taps: jax.Array  # [B, PENDING_ROWS, F*D] their fused taps, the first `count` valid
+    count: jax.Array  # [B]
+    first: jax.Array  # [B] the row of taps[:, 0]; first + count = the committed length
+
+
+def _no_pending(taps: jax.Array, lengths: jax.Array) -> Pending:
+    """An empty `Pending` for taps like `taps [B, C, F*D]`, starting at the committed `lengths [B]`."""
+    batch, _, width = taps.shape
+    return Pending(jnp.zeros((batch, PENDING_ROWS, width), taps.dtype), jnp.zeros_like(lengths), lengths)
+
+
+def _with_pending(pending: Pending, inject_rows: tuple) -> tuple:
+    """`inject_rows` (taps `[B, C, F*D]` at rows first_row..) preceded by the pending rows: taps `[B, P + C, F*D]`
+    from row `pending.first`, contiguous (the pending rows end where the new rows start). Past the last new row
+    the taps repeat it: those rows are beyond every committed length, never read, and overwritten later."""
+    taps, _, _ = inject_rows
+    index = jnp.arange(PENDING_ROWS + taps.shape[1])[None, :]  # [1, P + C]
+    count = pending.count[:, None]
+    new = jnp.take_along_axis(taps, jnp.clip(index - count, 0, taps.shape[1] - 1)[..., None], axis=1)
+    old = jnp.take_along_axis(pending.taps, jnp.minimum(index, PENDING_ROWS - 1)[..., None], axis=1)
+    combined = jnp.where((index < count)[..., None], old, new)
+    return combined, pending.first[:, None] + index, pending.first
+
+
+def _after_plain_or_draft(bundle: Bundle, pending: Pending, context, taps, active, drafting, lengths):
+    """The pending rows and the drafter cache after a step: a drafting step injected them (with its own rows); a plain
+    step adds its committed row (taps[:, 0], active sequences) and injects all of them once `PENDING_ROWS` wait.
+    lengths `[B]`: the committed lengths after the step."""
+    row = jnp.where(active, pending.count, PENDING_ROWS)  # finished sequences add nothing (index dropped)
+    added = pending.taps.at[jnp.arange(taps.shape[0]), row].set(taps[:, 0], mode="drop")
+    count = pending.count + active
+    full = jnp.any(count >= PENDING_ROWS)
+    rows = (added, pending.first[:, None] + jnp.arange(PENDING_ROWS), pending.first)
+    inject = lambda c: inject_context(bundle.drafter_params, bundle.drafter, c, rows)
+    context = _when(~drafting & full, inject, context)
+    reset = drafting | full
+    return Pending(added, jnp.where(reset, 0, count), jnp.where(reset, lengths, pending.first)), context
+
+
 class SpecState(NamedTuple):
     """The loop carry, minus the two caches (donated separately so they are updated in place)."""
 
@@ -94,6 +143,7 @@ class SpecState(NamedTuple):
     seed: jax.Array  # [B, F*D] H-Spec: fused taps at the last committed position
     stats: SpecStats
     policy: PolicyState | None  # the adaptive policy's estimates and cost table (None: fixed k)
+    pending: Pending | None  # DFlash/DSpark with a policy: rows plain steps committed, not yet injected
     rng: jax.Array
 
 
@@ -235,8 +285,22 @@ def spec_prefill(
             raise ValueError("an adaptive policy needs its cost table (costs.py: step_costs)")
         estimates = init_policy(policy, batch, costs)
         choice = step_choice(estimates, policy, confidence, ~done)
+    pending = _no_pending(inputs.seed_hidden, cache.lengths) if policy is not None and drafter.owns_kv_cache else None
     state = SpecState(
-        jnp.int32(0), tokens, num, done, token, draft, probs, confidence, choice, seed, stats, estimates, loop_rng
+        jnp.int32(0),
+        tokens,
+        num,
+        done,
+        token,
+        draft,
+        probs,
+        confidence,
+        choice,
+        seed,
+        stats,
+        estimates,
+        pending,
+        loop_rng,
     )
     return state, cache, context
 
@@ -303,6 +367,9 @@ def _spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sa
         )
         inputs = decoding_inputs(drafter, embedding_matrix(bundle.target_params), nxt, cache, taps, start)
         seed = inputs.seed_hidden[:, 0]
+        pending = s.pending
+        if pending is not None:  # a drafting step injects the rows plain steps left pending, then its own
+            inputs = inputs.replace(inject_rows=_with_pending(pending, inputs.inject_rows))
         operands = (inputs, draft_rng)
         if policy is None:
             draft_tokens, probs, confidence, context = draft(*operands, context)
@@ -313,13 +380,27 @@ def _spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sa
             kept = (s.draft, s.draft_probs, jnp.zeros_like(s.confidence), context, operands)
             draft_tokens, probs, confidence, context, (inputs, _) = _when(drafting, draft_carried, kept)
             cache = inputs.target_cache
-            if drafter.owns_kv_cache:  # a plain step's row still goes into DFlash's own cache
-                inject = lambda c: inject_context(bundle.drafter_params, drafter, c, inputs.inject_rows)
-                context = _when(~drafting, inject, context)
+            if pending is not None:
+                pending, context = _after_plain_or_draft(
+                    bundle, pending, context, taps, active, drafting, cache.lengths
+                )
             choice = jnp.where(drafting, step_choice(estimates, policy, confidence, ~done), 0)
             estimates = estimates._replace(drafted=jnp.broadcast_to(drafting, (batch,)))
         state = SpecState(
-            s.step + 1, tokens, num, done, nxt, draft_tokens, probs, confidence, choice, seed, stats, estimates, rng
+            s.step + 1,
+            tokens,
+            num,
+            done,
+            nxt,
+            draft_tokens,
+            probs,
+            confidence,
+            choice,
+            seed,
+            stats,
+            estimates,
+            pending,
+            rng,
         )
         return state, cache, context
 
@@ -343,6 +424,10 @@ def spec_decode(
     final, cache, context = _spec_steps(
         bundle, state, cache, context, max_new_tokens, max_new_tokens, sampling, eos_ids, pad_id, policy
     )
+    if final.pending is not None:  # the drafter cache handed back holds every committed row
+        pending = final.pending
+        rows = (pending.taps, pending.first[:, None] + jnp.arange(PENDING_ROWS), pending.first)
+        context = inject_context(bundle.drafter_params, bundle.drafter, context, rows)
     return SpecGeneration(final.tokens[:, :max_new_tokens], final.num, final.stats, cache, context)
 
 
