@@ -5,10 +5,11 @@
 
 Every prompt (batch 1, greedy, chat template) is decoded by plain decoding and by each drafter at each k, all
 compiled ahead of time and interleaved prompt by prompt; a method's decode time on a prompt is the median of
-`--repeats` warm runs. Decode tokens/s = all prompts' tokens after the first / their decode seconds. Every greedy
-output is checked against plain decoding. For `auto` the table also gives the share of steps at each draft
-length and the cost table T(k) / T(0) measured on this machine (`hspec_jax/decoding/costs.py`; measured when not
-cached: run with a fresh `XDG_CACHE_HOME` to measure it in the same quiet window).
+`--repeats` warm runs, taken in rounds over all the methods (so a slow spell of the machine slows them all).
+Decode tokens/s = all prompts' tokens after the first / their decode seconds. Every greedy output is checked
+against plain decoding. For `auto` the table also gives the share of steps at each draft length and the cost
+table T(k) / T(0) measured on this machine (`hspec_jax/decoding/costs.py`; measured when not cached: run with a
+fresh `XDG_CACHE_HOME` to measure it in the same quiet window).
 """
 
 from __future__ import annotations
@@ -90,15 +91,18 @@ def main(argv=None) -> None:
     lossless = dict.fromkeys(engines, 0)
     for prompt in padded:
         reference = None
-        for name, engine in engines.items():
-            shown = generate_streaming(engine, 8, prompts=prompt)
-            runs = [generate_streaming(engine, 8, prompts=prompt) for _ in range(args.repeats)]
+        shown_runs = {name: generate_streaming(engine, 8, prompts=prompt) for name, engine in engines.items()}
+        runs = {name: [] for name in engines}
+        for _ in range(args.repeats):  # in rounds over the methods: a slow spell of the machine hits them all
+            for name, engine in engines.items():
+                runs[name].append(generate_streaming(engine, 8, prompts=prompt).decode_seconds)
+        for name, shown in shown_runs.items():
             n = int(shown.num_tokens[0])
             out = shown.tokens[0, :n]
             if reference is None:
                 reference = out
             lossless[name] += bool(np.array_equal(out, reference))
-            seconds[name] += statistics.median(r.decode_seconds for r in runs)
+            seconds[name] += statistics.median(runs[name])
             tokens[name] += n - 1
             if shown.stats is not None:
                 stats[name].append(shown.stats)
@@ -111,7 +115,8 @@ def main(argv=None) -> None:
         "",
         f"CPU: {cpu_model()}, {jax.device_count()} device(s); SmolLM2-135M-Instruct (embedded GGUF), fp32, greedy, "
         f"batch 1, {len(PROMPTS)} prompts (benchmarks/common.py) x up to {args.new_tokens} new tokens, prompt width "
-        f"{width}, cache {capacity} rows; decode time per prompt = median of {args.repeats} warm runs, summed.",
+        f"{width}, cache {capacity} rows; decode time per prompt = median of {args.repeats} warm runs "
+        "taken in rounds over the methods, summed.",
         "",
         "| method | decode tok/s | vs plain | tau (tokens per step) | lossless | draft length share (auto) |",
         "|---|---|---|---|---|---|",
