@@ -171,27 +171,33 @@ def test_auto_sampled_outputs_follow_the_target_distribution(costs, target_param
     assert_follows(np.asarray(spec.tokens), exact_joint(target, prompt, sampling, length))
 
 
+def prefill_at_width_48(bundle, capacity=64, **kw):
+    """`spec_prefill` of one prompt into fresh caches of `capacity` rows, padded to width 48 (one compiled program
+    for every prompt), under the cost table `costs` (default CPU_LIKE)."""
+
+    def prefill(tokens, costs=CPU_LIKE):
+        caches = (init_cache(TARGET, 1, capacity), drafter_context(bundle.drafter, 1, capacity))
+        padded, lengths = pad_batch([tokens], length=48)
+        return spec_prefill(bundle, jnp.asarray(padded), jnp.asarray(lengths), *caches, jax.random.key(0), costs, **kw)
+
+    return prefill
+
+
+def assert_same_drafter_rows(context, fresh_context, committed):
+    for mine, theirs in zip(jax.tree.leaves(context), jax.tree.leaves(fresh_context), strict=True):
+        np.testing.assert_allclose(np.asarray(mine)[:, :committed], np.asarray(theirs)[:, :committed], atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["hspec", "dflash"])
 def test_drafter_state_after_plain_steps_is_what_a_fresh_prefill_gives(kind, target_params, prompts):
     """Plain steps skip the drafter, yet the next draft (and DFlash's own cache rows) equal those of a prefill
     of the whole committed text: H-Spec's seed is the last committed row; DFlash keeps plain steps' rows pending,
-    injects them once `PENDING_ROWS` wait and the rest with the next drafting step's, and a finished decode hands
-    back a cache holding every committed row."""
+    injects them once `PENDING_ROWS` wait and the rest with the next drafting step's."""
     config, params, vocab = random_drafter(kind, target_params, np.concatenate(prompts))
-    prompt, capacity, plain_steps = prompts[1], 64, PENDING_ROWS + 2
+    prompt, plain_steps = prompts[1], PENDING_ROWS + 2
     kw = dict(max_new_tokens=32, policy=POLICY)
     bundle = Bundle(target_params, TARGET, params, config, vocab)
-
-    def prefill(tokens, costs=CPU_LIKE):  # one padded width for every prefill: one compiled program
-        caches = (init_cache(TARGET, 1, capacity), drafter_context(config, 1, capacity))
-        padded, lengths = pad_batch([tokens], length=48)
-        rng = jax.random.key(0)
-        return spec_prefill(bundle, jnp.asarray(padded), jnp.asarray(lengths), *caches, rng, costs, **kw)
-
-    def assert_same_drafter_rows(context, fresh_context, committed):
-        for mine, theirs in zip(jax.tree.leaves(context), jax.tree.leaves(fresh_context), strict=True):
-            np.testing.assert_allclose(np.asarray(mine)[:, :committed], np.asarray(theirs)[:, :committed], atol=1e-4)
-
+    prefill = prefill_at_width_48(bundle, **kw)
     state, cache, context = prefill(prompt)
     state = state._replace(choice=jnp.int32(0), policy=state.policy._replace(costs=pinned_costs(POLICY, 0)))
     state, cache, context = spec_decode_chunk(bundle, state, cache, context, plain_steps, **kw)
@@ -207,11 +213,20 @@ def test_drafter_state_after_plain_steps_is_what_a_fresh_prefill_gives(kind, tar
     committed = int(cache.lengths[0])
     assert committed == int(fresh_cache.lengths[0])
     assert_same_drafter_rows(context, fresh_context, committed)
-    # Plain steps to the end: the handed-back drafter cache holds every committed row.
+
+
+def test_a_decode_of_plain_steps_hands_back_every_committed_dflash_row(target_params, prompts):
+    """DFlash under a policy that never drafts: the rows still pending when the loop ends are injected before
+    `spec_decode` returns, so its drafter cache equals that of a prefill of the whole text."""
+    config, params, vocab = random_drafter("dflash", target_params, np.concatenate(prompts))
+    prompt, kw = prompts[1], dict(max_new_tokens=32, policy=POLICY)
+    bundle = Bundle(target_params, TARGET, params, config, vocab)
+    prefill = prefill_at_width_48(bundle, **kw)
     state, cache, context = prefill(prompt, pinned_costs(POLICY, 0))
     gen = spec_decode(bundle, state._replace(choice=jnp.int32(0)), cache, context, **kw)
     emitted = [int(t) for t in np.asarray(gen.tokens[0, : int(gen.num_tokens[0])])]
     assert len(emitted) == 32 and int(gen.stats.chosen[0, 0]) == 31  # all plain: 31 steps after the first token
+    assert 31 % PENDING_ROWS  # some rows are still pending at the end
     _, fresh_cache, fresh_context = prefill(prompt + emitted[:-1])
     assert int(gen.cache.lengths[0]) == int(fresh_cache.lengths[0]) == len(prompt) + 31
     assert_same_drafter_rows(gen.context, fresh_context, len(prompt) + 31)
