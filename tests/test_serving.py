@@ -154,7 +154,9 @@ def small_pool_config(bundle: Bundle, prompts, policy=None) -> ServingConfig:
 ADAPTIVE_COSTS = np.array([1.0, 1.0, 1.05, 1.1, 1.2], np.float32)
 
 
-@pytest.mark.parametrize("kind,adaptive", [("plain", False), ("hspec", False), ("dflash", False), ("hspec", True)])
+@pytest.mark.parametrize(
+    "kind,adaptive", [("plain", False), ("hspec", False), ("dflash", False), ("hspec", True), ("dflash", True)]
+)
 def test_continuous_batching_is_lossless(kind, adaptive, target_params, prompts, alone):
     """Two slots, six requests arriving over time, prompts longer than a prefill chunk, and a pool too small for
     two full requests (preemption): every answer equals plain decoding of the request alone, with a fixed k or
