@@ -19,15 +19,14 @@ from __future__ import annotations
 import argparse
 import os
 
-import jax
-
 from benchmarks.common import write_report
 from hspec_jax import parallel
 from hspec_jax.checkpoints.drafter_io import restore_drafter
 from hspec_jax.machine import cpu_model
 from hspec_jax.recipes import drafter_from_recipe, load_config
-from train.loop import fixed_batches, load_data, scalars
-from train.losses import loss_from_sums, recipe_weights
+from train.data import Source, load_conversations
+from train.loop import fixed_batches, pooled_metrics
+from train.losses import recipe_weights
 from train.step import StepConfig, eval_sums_fn
 from train.targets import load_target_and_tokenizer
 
@@ -41,10 +40,7 @@ VARIANTS = {
 
 def held_out_agreement(step_config: StepConfig, params, target_params, vocab, batches) -> dict:
     """The pooled training-path metrics (`acc_k`, `sim_accept_len`, ...) of `params` on `batches`."""
-    evaluate = eval_sums_fn(step_config)
-    sums = [evaluate(params, target_params, vocab, batch) for batch in batches]
-    _, metrics = loss_from_sums(jax.tree.map(lambda *xs: sum(xs), *sums), step_config.weights)
-    return scalars(metrics)
+    return pooled_metrics(eval_sums_fn(step_config), params, target_params, vocab, batches, step_config.weights)
 
 
 def main(argv=None) -> None:
@@ -62,7 +58,7 @@ def main(argv=None) -> None:
         parser.error(f"--drafter {args.drafter} is of kind {drafter.kind}; this ablation switches H-Spec's paths")
     drafter = drafter.replace(dtype=drafter_from_recipe(recipe, target=target).dtype)
     mesh = parallel.make_mesh(recipe.mesh)
-    _, held_out = load_data(recipe)
+    held_out = load_conversations(Source("held_out", recipe.data.held_out))  # as train.main reads it
     batches = fixed_batches(held_out, tokenizer, recipe, drafter.num_drafts + 1, mesh)
     weights = recipe_weights(drafter.kind, recipe.train.gamma, **recipe.train.loss.to_dict())
     rows = []

@@ -315,13 +315,19 @@ def real_tau(run: Run, params: dict) -> dict:
     return {"tau": gen.stats.tau(), **{f"accept_{i + 1}": r for i, r in enumerate(rates) if r == r}}
 
 
-def held_out_metrics(run: Run, evaluate, params: dict, weights) -> dict:
+def pooled_metrics(evaluate, params: dict, target_params: dict, vocab, batches: list, weights) -> dict:
     """The training path's metrics (`train.losses.loss_from_sums`: loss terms, per-slot agreement `acc_k` and
-    acceptance probability `overlap_k`, simulated accept length) on the fixed held-out batches, no update,
-    pooled over all of them, each name prefixed `heldout_`. `evaluate`: `train.step.eval_sums_fn`."""
-    sums = [evaluate(params, run.target_params, run.vocab, batch) for batch in run.held_out_batches]
+    acceptance probability `overlap_k`, simulated accept length) of `params` on `batches`, no update, pooled over
+    all of them, as host floats. `evaluate`: `train.step.eval_sums_fn`."""
+    sums = [evaluate(params, target_params, vocab, batch) for batch in batches]
     _, metrics = loss_from_sums(jax.tree.map(lambda *xs: sum(xs), *sums), weights)
-    return {f"heldout_{name}": value for name, value in scalars(metrics).items()}
+    return scalars(metrics)
+
+
+def held_out_metrics(run: Run, evaluate, params: dict, weights) -> dict:
+    """`pooled_metrics` on the run's fixed held-out batches, each name prefixed `heldout_`."""
+    metrics = pooled_metrics(evaluate, params, run.target_params, run.vocab, run.held_out_batches, weights)
+    return {f"heldout_{name}": value for name, value in metrics.items()}
 
 
 def evaluation(run: Run, evaluate, params: dict, weights) -> dict:

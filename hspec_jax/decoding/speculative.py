@@ -100,6 +100,11 @@ def _no_pending(taps: jax.Array, lengths: jax.Array) -> Pending:
     return Pending(jnp.zeros((batch, PENDING_ROWS, width), taps.dtype), jnp.zeros_like(lengths), lengths)
 
 
+def _pending_rows(taps: jax.Array, first: jax.Array) -> tuple:
+    """`inject_rows` of `PENDING_ROWS` taps `[B, P, F*D]` from row `first [B]` on."""
+    return taps, first[:, None] + jnp.arange(PENDING_ROWS), first
+
+
 def _with_pending(pending: Pending, inject_rows: tuple) -> tuple:
     """`inject_rows` (taps `[B, C, F*D]` at rows first_row..) preceded by the pending rows: taps `[B, P + C, F*D]`
     from row `pending.first`, contiguous (the pending rows end where the new rows start). Past the last new row
@@ -121,8 +126,7 @@ def _after_plain_or_draft(bundle: Bundle, pending: Pending, context, taps, activ
     added = pending.taps.at[jnp.arange(taps.shape[0]), row].set(taps[:, 0], mode="drop")
     count = pending.count + active
     full = jnp.any(count >= PENDING_ROWS)
-    rows = (added, pending.first[:, None] + jnp.arange(PENDING_ROWS), pending.first)
-    inject = lambda c: inject_context(bundle.drafter_params, bundle.drafter, c, rows)
+    inject = lambda c: inject_context(bundle.drafter_params, bundle.drafter, c, _pending_rows(added, pending.first))
     context = _when(~drafting & full, inject, context)
     reset = drafting | full
     return Pending(added, jnp.where(reset, 0, count), jnp.where(reset, lengths, pending.first)), context
@@ -425,8 +429,7 @@ def spec_decode(
         bundle, state, cache, context, max_new_tokens, max_new_tokens, sampling, eos_ids, pad_id, policy
     )
     if final.pending is not None:  # the drafter cache handed back holds every committed row
-        pending = final.pending
-        rows = (pending.taps, pending.first[:, None] + jnp.arange(PENDING_ROWS), pending.first)
+        rows = _pending_rows(final.pending.taps, final.pending.first)
         context = inject_context(bundle.drafter_params, bundle.drafter, context, rows)
     return SpecGeneration(final.tokens[:, :max_new_tokens], final.num, final.stats, cache, context)
 
