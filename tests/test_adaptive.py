@@ -25,11 +25,14 @@ from hspec_jax.decoding import Bundle, SamplingConfig, generate, pad_batch
 from hspec_jax.decoding import costs as cost_model
 from hspec_jax.decoding.policy import (
     AdaptivePolicy,
+    Prior,
     best_choice,
     expected_yield,
+    first_prior,
     init_policy,
     observe,
     pinned_costs,
+    remember,
     step_choice,
     wants_draft,
 )
@@ -100,6 +103,57 @@ def test_drafts_that_are_never_verified_stop_the_drafting():
     np.testing.assert_array_equal(plain.reached, state.reached)  # a plain step without a draft: nothing learnt
 
 
+def test_failed_probes_wait_longer_and_an_accepted_draft_resets_the_wait():
+    """A drafter known to be useless (a prior of zero acceptance): plain steps from the start; each probe that has
+    nothing accepted doubles the wait for the next, up to `probe_max`; an accepted probe sets it back."""
+    state = init_policy(POLICY, 1, CPU_LIKE, Prior(jnp.zeros(7), jnp.float32(0.0)))
+    active, confident, none = jnp.array([True]), jnp.full((1, 7), 0.9), jnp.zeros(1, jnp.int32)
+    state = state._replace(drafted=~active)
+
+    def wait_for_probe(state):
+        plain = 0
+        while not bool(wants_draft(state, POLICY, active)):
+            state = observe(state, POLICY, confident, jnp.int32(0), none, active)
+            plain += 1
+        assert int(step_choice(state, POLICY, confident, active)) == 1  # a probe: the smallest k
+        return state._replace(drafted=active), plain
+
+    waits = []
+    for _ in range(5):
+        state, plain = wait_for_probe(state)
+        waits.append(plain)
+        state = observe(state, POLICY, confident, jnp.int32(1), none, active)._replace(drafted=~active)
+    assert waits == [32, 64, 128, 256, 256]
+    state = observe(state, POLICY, confident, jnp.int32(1), jnp.ones(1, jnp.int32), active)
+    assert int(state.wait[0]) == POLICY.probe_every
+    with pytest.raises(ValueError, match="probe_every <= probe_max"):
+        AdaptivePolicy(probe_every=64, probe_max=32)
+
+
+def test_a_new_sequence_starts_from_what_finished_ones_learnt():
+    """Two sequences, one whose drafts are never accepted and one whose are always: the prior becomes the pooled
+    estimates of whichever finished, and a sequence started from it trusts the drafter accordingly."""
+    state = init_policy(POLICY, 2, CPU_LIKE)
+    active, confident = jnp.array([True, True]), jnp.full((2, 7), 0.9)
+    for _ in range(5):
+        state = observe(state, POLICY, confident, jnp.int32(7), jnp.array([0, 7]), active)
+    kept = remember(state, jnp.array([False, False])).prior
+    for mine, first in zip(kept, first_prior(POLICY), strict=True):
+        np.testing.assert_array_equal(np.asarray(mine), np.asarray(first))
+    useless = remember(state, jnp.array([True, False])).prior
+    assert float(useless.acceptance[0]) < 0.15 and float(useless.ratio) < 0.3
+    good = remember(state, jnp.array([False, True])).prior
+    assert float(good.acceptance.min()) > 0.7 and float(good.ratio) > 1.0
+    one = jnp.array([True])
+    after_useless = init_policy(POLICY, 1, CPU_LIKE, useless)
+    assert not bool(wants_draft(after_useless, POLICY, one))
+    assert int(step_choice(after_useless, POLICY, confident[:1], one)) == 0
+    after_good = init_policy(POLICY, 1, CPU_LIKE, good)
+    assert int(step_choice(after_good, POLICY, confident[:1], one)) == 4  # k = 7
+    with pytest.raises(ValueError, match="one per draft"):
+        init_policy(POLICY, 1, CPU_LIKE, Prior(jnp.zeros(3), jnp.float32(1.0)))
+
+
 def test_batch_takes_the_largest_choice_of_active_sequences():
     state = init_policy(POLICY, 3, CPU_LIKE)
     confidence = jnp.stack([jnp.full(7, 0.05), jnp.full(7, 0.4), jnp.full(7, 0.99)])
@@ -130,12 +184,21 @@ def test_auto_is_lossless_and_a_random_drafter_decodes_plainly(kind, target_para
     tokens, lengths = pad_batch(prompts)
     config, params, vocab = random_drafter(kind, target_params, np.concatenate(prompts))
     ar = generate(target_params, TARGET, jnp.asarray(tokens), jnp.asarray(lengths), max_new_tokens=60, eos_ids=(EOS,))
+    kw = dict(max_new_tokens=60, eos_ids=(EOS,))
     for costs in (FREE, CPU_LIKE):
-        spec = generate_auto(target_params, params, config, vocab, prompts, costs, max_new_tokens=60, eos_ids=(EOS,))
+        spec = generate_auto(target_params, params, config, vocab, prompts, costs, **kw)
         np.testing.assert_array_equal(np.asarray(spec.num_tokens), np.asarray(ar.num_tokens))
         np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
     chosen = np.asarray(spec.stats.chosen).sum(0)
     assert chosen[0] >= 0.8 * chosen.sum(), chosen  # under CPU-like costs: mostly plain steps
+    # The next generation starts from what this one learnt: it no longer trusts the drafter at first.
+    assert float(spec.prior.acceptance[0]) < 0.3
+    again = generate_auto(target_params, params, config, vocab, prompts, CPU_LIKE, prior=spec.prior, **kw)
+    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(ar.tokens))
+    drafted = lambda gen: int(np.asarray(gen.stats.chosen)[:, 1:].sum())
+    # Fewer drafting steps, unless the first generation drafted no more than one probe per sequence anyway.
+    first, second = drafted(spec), drafted(again)
+    assert second < first or second == first <= len(prompts), (second, first)
 
 
 @pytest.mark.parametrize("kind", ["hspec", "dspark"])

@@ -27,7 +27,7 @@ from hspec_jax.decoding.autoregressive import decode_chunk, prefill, start_decod
 from hspec_jax.decoding.bundle import Bundle, init_caches
 from hspec_jax.decoding.costs import engine_shape
 from hspec_jax.decoding.placement import Placement
-from hspec_jax.decoding.policy import AdaptivePolicy
+from hspec_jax.decoding.policy import AdaptivePolicy, first_prior
 from hspec_jax.decoding.speculative import SpecStats, measure_costs, spec_decode_chunk, spec_prefill
 from hspec_jax.models import init_cache
 
@@ -63,12 +63,14 @@ class Engine(NamedTuple):
     prompts and seed, or of new `(tokens, lengths)` of the same shape and a new seed); `step(state, steps)` ->
     state after at most `steps` (an int32 array) more decoding steps; `view(state)` -> (tokens
     [B, max_new_tokens], num [B], done [B], stats or None) on the host. One compilation serves every chunk size.
-    `costs`: the adaptive policy's cost table T(k) / T(0) (numpy), None without one."""
+    `costs`: the adaptive policy's cost table T(k) / T(0) (numpy), None without one. `finish(state)`, called with
+    a generation's last state, lets the engine keep what it learnt for its next `start` (the policy's prior)."""
 
     start: Callable
     step: Callable
     view: Callable
     costs: np.ndarray | None = None
+    finish: Callable = lambda state: None
 
 
 def generate_streaming(
@@ -94,6 +96,7 @@ def generate_streaming(
         state = engine.step(state, steps)
         tokens, num, done, stats = engine.view(state)  # waits for the chunk
     end = time.perf_counter()
+    engine.finish(state)
     return Result(tokens, num, prefill_end - begin, end - prefill_end, stats, not done.all())
 
 
@@ -142,7 +145,8 @@ def compile_speculative(
 ) -> Engine:
     """As `compile_autoregressive`, for draft-and-verify with `bundle`'s drafter; `view` also returns the
     `SpecStats`. With an adaptive `policy`, its step costs for this machine and shape are read from the cache or
-    measured here (`costs.py`)."""
+    measured here (`costs.py`), and each generation starts from the prior the last finished one learnt
+    (`policy.py`; the first from the policy's own)."""
     rng = jax.random.key(seed)
     place = Placement(mesh, bundle.target.head_dim)
     bundle = place.bundle(bundle)
@@ -153,14 +157,17 @@ def compile_speculative(
 
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
     costs = None if policy is None else jnp.ones(len(policy.choices), jnp.float32)
-    pre_c = spec_prefill.lower(bundle, tokens, lengths, *fresh_caches(), rng, costs, **kw).compile()
-    carry = jax.eval_shape(lambda: spec_prefill(bundle, tokens, lengths, *fresh_caches(), rng, costs, **kw))
+    learnt = {"prior": None if policy is None else first_prior(policy)}
+    pre_c = spec_prefill.lower(bundle, tokens, lengths, *fresh_caches(), rng, costs, learnt["prior"], **kw).compile()
+    carry = jax.eval_shape(
+        lambda: spec_prefill(bundle, tokens, lengths, *fresh_caches(), rng, costs, learnt["prior"], **kw)
+    )
     step_c = spec_decode_chunk.lower(bundle, *carry, jnp.int32(1), **kw).compile()
     run_steps = lambda carry, steps: step_c(bundle, *carry, jnp.int32(steps))
 
     def prefill_with(step_costs, prompts=(tokens, lengths), key=rng):
         caches = jax.block_until_ready(fresh_caches())
-        return pre_c(bundle, *prompts, *caches, key, step_costs)
+        return pre_c(bundle, *prompts, *caches, key, step_costs, learnt["prior"])
 
     if policy is not None:
         shape = engine_shape(bundle.target, bundle.drafter, sampling, tokens.shape[0], capacity)
@@ -176,7 +183,13 @@ def compile_speculative(
         tokens, num, done, stats = jax.device_get((s.tokens[:, :max_new_tokens], s.num, s.done, s.stats))
         return tokens, num, done, SpecStats(*stats)
 
-    return Engine(start, run_steps, view, None if policy is None else np.asarray(costs))
+    if policy is None:
+        return Engine(start, run_steps, view)
+
+    def finish(carry):
+        learnt["prior"] = carry[0].policy.prior
+
+    return Engine(start, run_steps, view, np.asarray(costs), finish)
 
 
 def format_chosen(choices: tuple[int, ...], stats: SpecStats) -> str:

@@ -30,6 +30,16 @@ Two decisions per step, both per sequence:
 An uncalibrated or untrained drafter (high c_i, nothing accepted) thus drives A / P and A_1 / R_1 towards 0
 within a few steps and falls back to plain decoding, probing once every `probe_every` steps.
 
+Probes back off: a probe that has nothing accepted doubles the plain steps before the next one (up to `probe_max`);
+any accepted draft sets the wait back to `probe_every`.
+
+Across sequences: a new sequence starts from the engine's `Prior` (per-slot acceptance and calibration ratio,
+weighted `prior_weight` pseudo-steps), at first the policy's `prior` with full trust; whenever sequences finish, the
+prior becomes their pooled final estimates. An engine that keeps its loop state (serving) or hands the prior on to
+its next generation (`engine.compile_speculative`, `speculative_generate(prior=...)`) thus starts a request with
+what earlier requests learnt of this drafter: an untrained drafter is not trusted again at every request's start.
+It only changes which widths are verified, never the output.
+
 Batch policy: the drafter runs when any active sequence wants to draft, and the step verifies the largest k any
 active sequence chose. Every sequence then verifies all k drafted slots of that width: the target pays for the
 width anyway, and acceptance is lossless for any k.
@@ -50,15 +60,17 @@ class AdaptivePolicy:
     """Static settings of the adaptive draft length (hashable: part of the engine's jit key).
 
     choices: the draft lengths the loop compiles a verification for, increasing, starting at 0 (a plain step);
-    the largest is the drafter's k. prior / prior_weight: the starting acceptance estimate and its weight in
-    steps. decay: the weight of older observations (per verification of that slot). probe_every: plain steps in
-    a row after which a sequence drafts again."""
+    the largest is the drafter's k. prior / prior_weight: the first sequence's acceptance estimate and the weight
+    in steps of every sequence's starting estimates. decay: the weight of older observations (per verification of
+    that slot). probe_every: plain steps in a row after which a sequence drafts again; probe_max: the longest
+    such wait after failed probes."""
 
     choices: tuple[int, ...] = (0, 1, 2, 4, 7)
     prior: float = 0.5
     prior_weight: float = 2.0
     decay: float = 0.9
     probe_every: int = 32
+    probe_max: int = 256
 
     def __post_init__(self):
         c = self.choices
@@ -68,8 +80,8 @@ class AdaptivePolicy:
             raise ValueError(f"prior must be in (0, 1) with a positive weight, got {self.prior}, {self.prior_weight}")
         if not 0.0 < self.decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {self.decay}")
-        if self.probe_every < 1:
-            raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+        if not 1 <= self.probe_every <= self.probe_max:
+            raise ValueError(f"need 1 <= probe_every <= probe_max, got {self.probe_every}, {self.probe_max}")
 
     @classmethod
     def for_drafts(cls, k: int, **settings) -> AdaptivePolicy:
@@ -81,25 +93,46 @@ class AdaptivePolicy:
         return self.choices[-1]
 
 
+class Prior(NamedTuple):
+    """What a new sequence's estimates start from (each weighted `prior_weight` pseudo-steps)."""
+
+    acceptance: jax.Array  # [k] conditional acceptance per slot
+    ratio: jax.Array  # [] calibration: drafts accepted per unit of predicted acceptance
+
+
+def first_prior(policy: AdaptivePolicy) -> Prior:
+    """The prior before any sequence finished: acceptance `policy.prior` at every slot, the drafter trusted."""
+    return Prior(jnp.full((policy.max_drafts,), policy.prior, jnp.float32), jnp.float32(1.0))
+
+
 class PolicyState(NamedTuple):
     costs: jax.Array  # [C] T(k) / T(0) per choice
+    prior: Prior  # what the next sequence to start begins with (shared by the batch)
     reached: jax.Array  # [B, k] decayed count of steps that verified slot i with all earlier drafts accepted
     accepted: jax.Array  # [B, k] decayed count of those in which slot i was accepted
     calibration: jax.Array  # [B, 2] decayed sums of drafts accepted and of their predictions c_i
     idle: jax.Array  # [B] plain steps in a row
+    wait: jax.Array  # [B] plain steps in a row after which a probe is due (doubled by each failed probe)
     drafted: jax.Array  # [B] bool: the block of the next step was drafted for it (not left from an earlier step)
 
 
-def init_policy(policy: AdaptivePolicy, batch: int, costs: jax.Array) -> PolicyState:
-    """The starting state: `prior_weight` pseudo-steps at acceptance `prior` for every slot."""
+def init_policy(policy: AdaptivePolicy, batch: int, costs: jax.Array, prior: Prior | None = None) -> PolicyState:
+    """The starting state: `prior_weight` pseudo-steps at the `prior`'s acceptance and calibration (default:
+    `first_prior`) for every slot of `batch` sequences."""
     k = policy.max_drafts
+    prior = first_prior(policy) if prior is None else prior
     weight = jnp.full((batch, k), policy.prior_weight, jnp.float32)
     costs = jnp.asarray(costs, jnp.float32)
     if costs.shape != (len(policy.choices),):
         raise ValueError(f"costs has shape {costs.shape}, expected one per choice {policy.choices}")
-    calibration = jnp.full((batch, 2), policy.prior_weight, jnp.float32)
+    if prior.acceptance.shape != (k,):
+        raise ValueError(f"the prior has {prior.acceptance.shape} acceptances, expected one per draft ({k})")
+    calibration = policy.prior_weight * jnp.stack([prior.ratio, jnp.float32(1.0)])
+    calibration = jnp.broadcast_to(calibration, (batch, 2)).astype(jnp.float32)
     idle = jnp.zeros((batch,), jnp.int32)
-    return PolicyState(costs, weight, weight * policy.prior, calibration, idle, jnp.ones((batch,), bool))
+    wait = jnp.full((batch,), policy.probe_every, jnp.int32)
+    accepted = weight * prior.acceptance.astype(jnp.float32)
+    return PolicyState(costs, prior, weight, accepted, calibration, idle, wait, jnp.ones((batch,), bool))
 
 
 def expected_yield(acceptance: jax.Array, choices: tuple[int, ...]) -> jax.Array:
@@ -126,22 +159,22 @@ def calibrated_acceptance(state: PolicyState, confidence: jax.Array) -> jax.Arra
     return jnp.minimum(confidence * ratio[:, None], 1.0)
 
 
-def probing(state: PolicyState, policy: AdaptivePolicy) -> jax.Array:
-    """`[B]` whether a sequence has taken `probe_every` plain steps in a row."""
-    return state.idle >= policy.probe_every
+def probing(state: PolicyState) -> jax.Array:
+    """`[B]` whether a sequence has taken as many plain steps in a row as its probe waits for."""
+    return state.idle >= state.wait
 
 
 def wants_draft(state: PolicyState, policy: AdaptivePolicy, active: jax.Array) -> jax.Array:
     """Decision 1, before drafting: scalar, whether any active sequence wants a next block."""
     best = best_choice(history_acceptance(state), state.costs, policy.choices)
-    return jnp.any(active & ((best > 0) | probing(state, policy)))
+    return jnp.any(active & ((best > 0) | probing(state)))
 
 
 def step_choice(state: PolicyState, policy: AdaptivePolicy, confidence: jax.Array, active: jax.Array) -> jax.Array:
     """Decision 2, after drafting with predictions `confidence [B, k]`: scalar index into `choices` of the
     next step's k, the largest any active sequence chose (a probing sequence at least choice 1)."""
     best = best_choice(calibrated_acceptance(state, confidence), state.costs, policy.choices)
-    best = jnp.where(probing(state, policy), jnp.maximum(best, 1), best)
+    best = jnp.where(probing(state), jnp.maximum(best, 1), best)
     return jnp.max(jnp.where(active, best, 0))
 
 
@@ -155,7 +188,9 @@ def observe(
 ) -> PolicyState:
     """Record a verification of `drafts` (scalar, 0 for a plain step) slots predicted `confidence [B, k]`, in
     which `n [B]` drafts were accepted, for the active sequences `[B]`. A block drafted and then not verified
-    (decision 2 chose k = 0) counts as a rejection at slot 1 in the history: that drafting bought nothing."""
+    (decision 2 chose k = 0) counts as a rejection at slot 1 in the history: that drafting bought nothing. A
+    verification that was a probe and had nothing accepted doubles the sequence's wait for the next probe; one with
+    a draft accepted sets it back to `probe_every`."""
     slots = jnp.arange(state.reached.shape[1])
     reached = active[:, None] & (slots < drafts) & (slots <= n[:, None])
     declined = active & state.drafted & (drafts == 0)
@@ -165,12 +200,29 @@ def observe(
     verified = active & (drafts > 0)
     pooled = jnp.stack([jnp.sum(hit * reached, -1), jnp.sum(confidence * reached, -1)], -1)
     calibration = jnp.where(verified[:, None], policy.decay * state.calibration + pooled, state.calibration)
+    failed_probe = verified & probing(state) & (n == 0)
+    wait = jnp.where(failed_probe, jnp.minimum(2 * state.wait, policy.probe_max), state.wait)
+    wait = jnp.where(verified & (n > 0), policy.probe_every, wait)
     return state._replace(
         reached=decayed(state.reached, 1.0),
         accepted=decayed(state.accepted, jnp.where(reached, hit, 0.0)),
         calibration=calibration,
         idle=jnp.where(active, jnp.where(drafts > 0, 0, state.idle + 1), state.idle),
+        wait=wait,
     )
+
+
+def remember(state: PolicyState, finished: jax.Array) -> PolicyState:
+    """The prior becomes the pooled estimates of the sequences that just `finished [B]` (unchanged if none did):
+    per slot, their accepted over reached counts; their drafts accepted over predicted."""
+    f = finished.astype(jnp.float32)
+    pool = lambda x: jnp.sum(f[:, None] * x, 0)  # [B, n] -> [n]
+    acceptance = pool(state.accepted) / jnp.maximum(pool(state.reached), 1e-6)
+    calibration = pool(state.calibration)
+    ratio = calibration[0] / jnp.maximum(calibration[1], 1e-6)
+    learned = Prior(acceptance, ratio)
+    any_finished = jnp.any(finished)
+    return state._replace(prior=jax.tree.map(lambda new, old: jnp.where(any_finished, new, old), learned, state.prior))
 
 
 def pinned_costs(policy: AdaptivePolicy, index: int) -> jax.Array:

@@ -45,9 +45,11 @@ from hspec_jax.decoding.placement import Placement
 from hspec_jax.decoding.policy import (
     AdaptivePolicy,
     PolicyState,
+    Prior,
     init_policy,
     observe,
     pinned_costs,
+    remember,
     step_choice,
     wants_draft,
 )
@@ -157,6 +159,7 @@ class SpecGeneration(NamedTuple):
     stats: SpecStats
     cache: KVCache  # the target cache
     context: tuple  # DFlash/DSpark: the drafter-side cache, a real buffer (empty for H-Spec)
+    prior: Prior | None = None  # with a policy: what the next generation's sequences should start from
 
 
 def draft_next(bundle: Bundle, sampling, inputs: DraftInputs, rng):
@@ -250,6 +253,7 @@ def spec_prefill(
     context: tuple,
     rng: jax.Array,
     costs: jax.Array | None = None,
+    prior: Prior | None = None,
     *,
     max_new_tokens: int,
     sampling: SamplingConfig = SamplingConfig(),
@@ -260,8 +264,9 @@ def spec_prefill(
     """Prefill `bundle`'s target on right-padded `prompts [B, T]`, sample the first token, draft the first block.
     Returns the loop state, the target cache and the drafter-side cache (empty unless DFlash/DSpark). The prompts
     go at each sequence's committed length, so a long prompt can be fed in pieces (earlier pieces committed by
-    earlier calls, whose states are discarded). With a `policy`, `costs [C]` is its cost table (`costs.py`)
-    and the first step's draft length is chosen from the first block's confidence and the policy's prior."""
+    earlier calls, whose states are discarded). With a `policy`, `costs [C]` is its cost table (`costs.py`),
+    `prior` what the sequences' estimates start from (default: the policy's first prior; see `policy.py`), and the
+    first step's draft length is chosen from the first block's confidence and that prior."""
     target_params, drafter = bundle.target_params, bundle.drafter
     k = drafter.num_drafts
     batch = prompts.shape[0]
@@ -287,7 +292,7 @@ def spec_prefill(
     if policy is not None:
         if costs is None:
             raise ValueError("an adaptive policy needs its cost table (costs.py: step_costs)")
-        estimates = init_policy(policy, batch, costs)
+        estimates = init_policy(policy, batch, costs, prior)
         choice = step_choice(estimates, policy, confidence, ~done)
     pending = _no_pending(inputs.seed_hidden, cache.lengths) if policy is not None and drafter.owns_kv_cache else None
     state = SpecState(
@@ -379,7 +384,7 @@ def _spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sa
             draft_tokens, probs, confidence, context = draft(*operands, context)
             estimates, choice = None, s.choice
         else:
-            estimates = observe(s.policy, policy, s.confidence, drafts, n, active)
+            estimates = remember(observe(s.policy, policy, s.confidence, drafts, n, active), active & done)
             drafting = wants_draft(estimates, policy, ~done)
             kept = (s.draft, s.draft_probs, jnp.zeros_like(s.confidence), context, operands)
             draft_tokens, probs, confidence, context, (inputs, _) = _when(drafting, draft_carried, kept)
@@ -431,7 +436,8 @@ def spec_decode(
     if final.pending is not None:  # the drafter cache handed back holds every committed row
         rows = _pending_rows(final.pending.taps, final.pending.first)
         context = inject_context(bundle.drafter_params, bundle.drafter, context, rows)
-    return SpecGeneration(final.tokens[:, :max_new_tokens], final.num, final.stats, cache, context)
+    prior = None if final.policy is None else final.policy.prior
+    return SpecGeneration(final.tokens[:, :max_new_tokens], final.num, final.stats, cache, context, prior)
 
 
 @_engine_jit
@@ -513,12 +519,15 @@ def speculative_generate(
     mesh=None,
     policy: AdaptivePolicy | None = None,
     costs: jax.Array | None = None,
+    prior: Prior | None = None,
 ) -> SpecGeneration:
     """Prefill, then draft-and-verify with `bundle`'s drafter until done. `cache_capacity` defaults to the longest
     prompt plus `max_new_tokens` plus one block, so the cache never stops a sequence before `max_new_tokens`; it and
     the prompt width are rounded up to a bucket (`batching.bucketed_shapes`). With a `mesh`, both models' params, the
     batch and the caches are sharded and the whole loop runs SPMD. With an adaptive `policy` the draft length changes
-    per step; its cost table `costs [C]` is measured on this machine for this shape when not given (and cached)."""
+    per step; its cost table `costs [C]` is measured on this machine for this shape when not given (and cached), and
+    `prior` (default: the policy's first) is what its estimates start from; the generation's `prior` is what they
+    learnt, for the next call."""
     target, drafter = bundle.target, bundle.drafter
     if drafter is None:
         raise ValueError("draft-and-verify needs a drafter in the bundle (plain decoding: autoregressive.generate)")
@@ -541,5 +550,5 @@ def speculative_generate(
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
     if policy is not None and costs is None:
         costs = adaptive_costs(bundle, prompts, lengths, fresh_caches, capacity, rng, **kw)
-    state, cache, context = spec_prefill(bundle, prompts, lengths, *fresh_caches(), rng, costs, **kw)
+    state, cache, context = spec_prefill(bundle, prompts, lengths, *fresh_caches(), rng, costs, prior, **kw)
     return spec_decode(bundle, state, cache, context, **kw)

@@ -19,7 +19,8 @@ One `step` is one scheduling iteration:
    drafter, the very loops of `hspec_jax.decoding` on the paged cache, jitted with static shapes `[slots, ...]`
    (idle slots ride along as finished sequences); with `ServingConfig.policy` the draft length is chosen per step
    (`hspec_jax/decoding/policy.py`: the batch verifies the largest k any running request chose, k = 0 a plain
-   step), from the cost table given to the engine;
+   step), from the cost table given to the engine; a request starts from the acceptance estimates the requests
+   that finished before it ended with (the policy's prior, kept in the loop state), not from scratch;
 5. hand back the finished requests and free their slots and pages at once.
 
 A request that can never be served (an empty prompt, a prompt over `max_prompt_tokens`, more pages than the whole
@@ -46,7 +47,7 @@ import numpy as np
 
 from hspec_jax.decoding.autoregressive import decode_chunk, prefill, start_decode
 from hspec_jax.decoding.bundle import Bundle, init_caches
-from hspec_jax.decoding.policy import AdaptivePolicy
+from hspec_jax.decoding.policy import AdaptivePolicy, first_prior
 from hspec_jax.decoding.sampling import SamplingConfig
 from hspec_jax.decoding.speculative import spec_decode_chunk, spec_prefill
 from hspec_jax.drafters.config import check_target
@@ -128,7 +129,7 @@ _STATIC = ("sampling", "max_new_tokens", "eos_ids", "pad_id", "policy")
 _serve_jit = functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state", "cache", "context"))
 # Loop-state fields of the whole batch (the policy's cost table too); every other field has one row per slot.
 _SHARED_FIELDS = ("step", "rng", "choice")
-_SHARED_POLICY_FIELDS = ("costs",)
+_SHARED_POLICY_FIELDS = ("costs", "prior")
 
 
 def _per_slot(state) -> dict:
@@ -157,16 +158,17 @@ def _has_rows(context) -> bool:
     return isinstance(context, PagedBuffers | KVBuffers)
 
 
-def _start_one(bundle: Bundle, cache, context, tokens, length, rng, costs, **kw):
+def _start_one(bundle: Bundle, cache, context, tokens, length, rng, costs, prior, **kw):
     """Prefill `tokens [1, C]` (the first `length [1]` real) into a one-sequence cache at its committed length ->
     (that sequence's decoding state as if it started now, cache, context): `prefill` + `start_decode`, or
-    `spec_prefill` (`costs`: the adaptive policy's cost table, None without one)."""
+    `spec_prefill` (`costs`, `prior`: the adaptive policy's cost table and the prior the engine learnt so far,
+    None without one)."""
     if bundle.drafter is None:
         first_rng, loop_rng = jax.random.split(rng)
         pre = prefill(bundle.target_params, bundle.target, tokens, length, cache, first_rng, kw["sampling"])
         loop = {name: kw[name] for name in ("max_new_tokens", "eos_ids", "pad_id")}
         return start_decode(pre.cache, pre.token, loop_rng, **loop), pre.cache, context
-    return spec_prefill(bundle, tokens, length, cache, context, rng, costs, **kw)
+    return spec_prefill(bundle, tokens, length, cache, context, rng, costs, prior, **kw)
 
 
 @_serve_jit
@@ -191,9 +193,9 @@ def prefill_slot(
     length and committed. On the `final` chunk the slot's row of the loop state becomes that of a sequence that
     just started (first token sampled, first block drafted); before it, the row is left as it is (finished)."""
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
-    costs = None if policy is None else state.policy.costs
+    costs, prior = (None, None) if policy is None else (state.policy.costs, state.policy.prior)
     view_cache, view_context = cache.slot(slot), _slot_of(context, slot)
-    one, view, view_context = _start_one(bundle, view_cache, view_context, tokens, length, rng, costs, **kw)
+    one, view, view_context = _start_one(bundle, view_cache, view_context, tokens, length, rng, costs, prior, **kw)
     cache = cache.with_slot(slot, view)
     if _has_rows(context):
         context = context.with_slot(slot, view_context)
@@ -338,9 +340,10 @@ class ServingEngine:
         tokens, length = jnp.zeros((1, c.prefill_chunk), jnp.int32), jnp.ones((1,), jnp.int32)
         view, view_context = self.cache.slot(jnp.int32(0)), _slot_of(self.context, jnp.int32(0))
         costs = None if self.costs is None else jnp.asarray(self.costs, jnp.float32)
+        prior = None if c.policy is None else first_prior(c.policy)
         key = jax.random.key(0)
         one = jax.eval_shape(
-            lambda: _start_one(self.bundle, view, view_context, tokens, length, key, costs, **self._kw)[0]
+            lambda: _start_one(self.bundle, view, view_context, tokens, length, key, costs, prior, **self._kw)[0]
         )
         rows = jax.tree.map(lambda x: jnp.zeros((c.slots, *x.shape[1:]), x.dtype), _per_slot(one))
         rows["done"] = jnp.ones((c.slots,), bool)
@@ -349,7 +352,7 @@ class ServingEngine:
         if "choice" in one._fields:  # draft-and-verify: a fixed k's only choice, or the policy's plain step
             shared["choice"] = jnp.int32(0)
         if self.config.policy is not None:
-            shared["policy"] = one.policy._replace(costs=costs)
+            shared["policy"] = one.policy._replace(costs=costs, prior=prior)
         return _with_per_slot(one._replace(**shared), rows)
 
     def _admit(self) -> None:
