@@ -9,7 +9,9 @@ compiled ahead of time and interleaved prompt by prompt; a method's decode time 
 Decode tokens/s = all prompts' tokens after the first / their decode seconds. Every greedy output is checked
 against plain decoding. For `auto` the table also gives the share of steps at each draft length and the cost
 table T(k) / T(0) measured on this machine (`hspec_jax/decoding/costs.py`; measured when not cached: run with a
-fresh `XDG_CACHE_HOME` to measure it in the same quiet window).
+fresh `XDG_CACHE_HOME` to measure it in the same quiet window). An `auto` engine starts each generation from the
+acceptance estimates its previous one ended with, as a deployed engine would (only the first prompt's first run
+starts from the policy's prior): the estimates are per-slot acceptance rates, never text.
 """
 
 from __future__ import annotations
@@ -116,7 +118,8 @@ def main(argv=None) -> None:
         f"CPU: {cpu_model()}, {jax.device_count()} device(s); SmolLM2-135M-Instruct (embedded GGUF), fp32, greedy, "
         f"batch 1, {len(PROMPTS)} prompts (benchmarks/common.py) x up to {args.new_tokens} new tokens, prompt width "
         f"{width}, cache {capacity} rows; decode time per prompt = median of {args.repeats} warm runs "
-        "taken in rounds over the methods, summed.",
+        "taken in rounds over the methods, summed. Each `auto` engine starts a generation from the acceptance "
+        "estimates its previous generation ended with (the first from the policy's prior).",
         "",
         "| method | decode tok/s | vs plain | tau (tokens per step) | lossless | draft length share (auto) |",
         "|---|---|---|---|---|---|",

@@ -106,7 +106,7 @@ def test_drafts_that_are_never_verified_stop_the_drafting():
 def test_failed_probes_wait_longer_and_an_accepted_draft_resets_the_wait():
     """A drafter known to be useless (a prior of zero acceptance): plain steps from the start; each probe that has
     nothing accepted doubles the wait for the next, up to `probe_max`; an accepted probe sets it back."""
-    state = init_policy(POLICY, 1, CPU_LIKE, Prior(jnp.zeros(7), jnp.float32(0.0)))
+    state = init_policy(POLICY, 1, CPU_LIKE, Prior(jnp.zeros(7), jnp.float32(0.0), jnp.int32(POLICY.probe_every)))
     active, confident, none = jnp.array([True]), jnp.full((1, 7), 0.9), jnp.zeros(1, jnp.int32)
     state = state._replace(drafted=~active)
 
@@ -150,8 +150,14 @@ def test_a_new_sequence_starts_from_what_finished_ones_learnt():
     assert int(step_choice(after_useless, POLICY, confident[:1], one)) == 0
     after_good = init_policy(POLICY, 1, CPU_LIKE, good)
     assert int(step_choice(after_good, POLICY, confident[:1], one)) == 4  # k = 7
+    # The wait for a first probe: the shortest of the finished sequences', which a new sequence starts with.
+    waited = state._replace(wait=jnp.array([128, 64], jnp.int32))
+    assert int(remember(waited, jnp.array([True, False])).prior.wait) == 128
+    both = remember(waited, jnp.array([True, True])).prior
+    assert int(both.wait) == 64
+    np.testing.assert_array_equal(np.asarray(init_policy(POLICY, 2, CPU_LIKE, both).wait), [64, 64])
     with pytest.raises(ValueError, match="one per draft"):
-        init_policy(POLICY, 1, CPU_LIKE, Prior(jnp.zeros(3), jnp.float32(1.0)))
+        init_policy(POLICY, 1, CPU_LIKE, Prior(jnp.zeros(3), jnp.float32(1.0), jnp.int32(32)))
 
 
 def test_batch_takes_the_largest_choice_of_active_sequences():

@@ -34,11 +34,16 @@ Probes back off: a probe that has nothing accepted doubles the plain steps befor
 any accepted draft sets the wait back to `probe_every`.
 
 Across sequences: a new sequence starts from the engine's `Prior` (per-slot acceptance and calibration ratio,
-weighted `prior_weight` pseudo-steps), at first the policy's `prior` with full trust; whenever sequences finish, the
-prior becomes their pooled final estimates. An engine that keeps its loop state (serving) or hands the prior on to
-its next generation (`engine.compile_speculative`, `speculative_generate(prior=...)`) thus starts a request with
-what earlier requests learnt of this drafter: an untrained drafter is not trusted again at every request's start.
-It only changes which widths are verified, never the output.
+weighted `prior_weight` pseudo-steps, and the wait for its first probe), at first the policy's `prior` with full
+trust and `probe_every`; whenever sequences finish, the prior becomes their pooled final estimates. An engine
+that keeps its loop state (serving) or hands the prior on to its next generation (`engine.compile_speculative`,
+`speculative_generate(prior=...)`) thus starts a request with what earlier requests learnt of this drafter: an
+untrained drafter is not trusted again at every request's start, nor probed at the first wait again. It only
+changes which widths are verified, never the output.
+
+Plain steps certain to come (the estimates want no block and no probe is due) run in a loop of their own inside
+the engine (`speculative.py`), without the drafter and the policy's bookkeeping, so that a plain step costs
+about what plain decoding costs.
 
 Batch policy: the drafter runs when any active sequence wants to draft, and the step verifies the largest k any
 active sequence chose. Every sequence then verifies all k drafted slots of that width: the target pays for the
@@ -98,11 +103,14 @@ class Prior(NamedTuple):
 
     acceptance: jax.Array  # [k] conditional acceptance per slot
     ratio: jax.Array  # [] calibration: drafts accepted per unit of predicted acceptance
+    wait: jax.Array  # [] int32: plain steps in a row before the first probe
 
 
 def first_prior(policy: AdaptivePolicy) -> Prior:
-    """The prior before any sequence finished: acceptance `policy.prior` at every slot, the drafter trusted."""
-    return Prior(jnp.full((policy.max_drafts,), policy.prior, jnp.float32), jnp.float32(1.0))
+    """The prior before any sequence finished: acceptance `policy.prior` at every slot, the drafter trusted, a probe
+    after `probe_every` plain steps."""
+    acceptance = jnp.full((policy.max_drafts,), policy.prior, jnp.float32)
+    return Prior(acceptance, jnp.float32(1.0), jnp.int32(policy.probe_every))
 
 
 class PolicyState(NamedTuple):
@@ -130,7 +138,7 @@ def init_policy(policy: AdaptivePolicy, batch: int, costs: jax.Array, prior: Pri
     calibration = policy.prior_weight * jnp.stack([prior.ratio, jnp.float32(1.0)])
     calibration = jnp.broadcast_to(calibration, (batch, 2)).astype(jnp.float32)
     idle = jnp.zeros((batch,), jnp.int32)
-    wait = jnp.full((batch,), policy.probe_every, jnp.int32)
+    wait = jnp.full((batch,), prior.wait, jnp.int32)
     accepted = weight * prior.acceptance.astype(jnp.float32)
     return PolicyState(costs, prior, weight, accepted, calibration, idle, wait, jnp.ones((batch,), bool))
 
@@ -212,15 +220,23 @@ def observe(
     )
 
 
+def idled(state: PolicyState, steps: jax.Array) -> PolicyState:
+    """`state` after `steps [B]` plain steps whose blocks were not drafted: what as many `observe` calls of such
+    steps give (only the plain steps in a row count up)."""
+    return state._replace(idle=state.idle + steps)
+
+
 def remember(state: PolicyState, finished: jax.Array) -> PolicyState:
     """The prior becomes the pooled estimates of the sequences that just `finished [B]` (unchanged if none did):
-    per slot, their accepted over reached counts; their drafts accepted over predicted."""
+    per slot, their accepted over reached counts; their drafts accepted over predicted; the shortest of their waits
+    for a probe."""
     f = finished.astype(jnp.float32)
     pool = lambda x: jnp.sum(f[:, None] * x, 0)  # [B, n] -> [n]
     acceptance = pool(state.accepted) / jnp.maximum(pool(state.reached), 1e-6)
     calibration = pool(state.calibration)
     ratio = calibration[0] / jnp.maximum(calibration[1], 1e-6)
-    learned = Prior(acceptance, ratio)
+    wait = jnp.min(jnp.where(finished, state.wait, jnp.iinfo(jnp.int32).max))
+    learned = Prior(acceptance, ratio, wait)
     any_finished = jnp.any(finished)
     return state._replace(prior=jax.tree.map(lambda new, old: jnp.where(any_finished, new, old), learned, state.prior))
 

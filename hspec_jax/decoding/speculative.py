@@ -14,8 +14,10 @@ Per step, for every sequence of the batch (all on device, in one `lax.while_loop
 With an `AdaptivePolicy` (`policy.py`) the number of drafts verified changes per step, among a few compiled
 widths, each run only when chosen (k = 0 is a plain step: one position verified, and the drafter not called for
 the step after, unless its policy decides to draft: step 4 is then skipped; DFlash/DSpark keep the new row pending
-and inject the pending rows with the next drafting step's, or on their own every `PENDING_ROWS` plain steps). Without
-one, every step verifies the drafter's k.
+and inject the pending rows with the next drafting step's, or on their own every `PENDING_ROWS` plain steps). Plain
+steps that are certain to come (no sequence wants a block, no probe is due) run in an inner loop that does only what
+plain decoding does plus the taps: a plain step costs about a plain decoding step. Without a policy, every step
+verifies the drafter's k.
 
 Sequences stop at EOS, `max_new_tokens`, or when the cache has no room for another block of k+1 rows.
 `spec_decode` runs the loop to the end; `spec_decode_chunk` runs a few steps of it, for streaming.
@@ -46,6 +48,7 @@ from hspec_jax.decoding.policy import (
     AdaptivePolicy,
     PolicyState,
     Prior,
+    idled,
     init_policy,
     observe,
     pinned_costs,
@@ -55,7 +58,7 @@ from hspec_jax.decoding.policy import (
 )
 from hspec_jax.decoding.proposal import propose
 from hspec_jax.decoding.sampling import SamplingConfig, probabilities, sample
-from hspec_jax.drafters.api import decoding_inputs, draft_blocks, inject_context
+from hspec_jax.drafters.api import decoding_inputs, draft_blocks, inject_context, seed_hidden_at
 from hspec_jax.drafters.config import DrafterConfig, check_target
 from hspec_jax.drafters.inputs import DraftInputs
 from hspec_jax.drafters.output import drafted_slots
@@ -120,18 +123,40 @@ def _with_pending(pending: Pending, inject_rows: tuple) -> tuple:
     return combined, pending.first[:, None] + index, pending.first
 
 
-def _after_plain_or_draft(bundle: Bundle, pending: Pending, context, taps, active, drafting, lengths):
-    """The pending rows and the drafter cache after a step: a drafting step injected them (with its own rows); a plain
-    step adds its committed row (taps[:, 0], active sequences) and injects all of them once `PENDING_ROWS` wait.
-    lengths `[B]`: the committed lengths after the step."""
+def _pended(pending: Pending, taps: jax.Array, active: jax.Array) -> Pending:
+    """`pending` plus the row a plain step committed (taps[:, 0] of `taps [B, C, F*D]`) for the `active [B]`
+    sequences (the caller keeps the count below `PENDING_ROWS`, or injects once it reaches it)."""
     row = jnp.where(active, pending.count, PENDING_ROWS)  # finished sequences add nothing (index dropped)
     added = pending.taps.at[jnp.arange(taps.shape[0]), row].set(taps[:, 0], mode="drop")
-    count = pending.count + active
-    full = jnp.any(count >= PENDING_ROWS)
-    inject = lambda c: inject_context(bundle.drafter_params, bundle.drafter, c, _pending_rows(added, pending.first))
+    return pending._replace(taps=added, count=pending.count + active)
+
+
+def _after_plain_or_draft(bundle: Bundle, pending: Pending, context, taps, active, drafting, lengths):
+    """The pending rows and the drafter cache after a step: a drafting step injected them (with its own rows); a plain
+    step adds its committed row (active sequences) and injects all of them once `PENDING_ROWS` wait.
+    lengths `[B]`: the committed lengths after the step."""
+    added = _pended(pending, taps, active)
+    full = jnp.any(added.count >= PENDING_ROWS)
+    inject = lambda c: inject_context(bundle.drafter_params, bundle.drafter, c, _pending_rows(added.taps, added.first))
     context = _when(~drafting & full, inject, context)
     reset = drafting | full
-    return Pending(added, jnp.where(reset, 0, count), jnp.where(reset, lengths, pending.first)), context
+    return Pending(added.taps, jnp.where(reset, 0, added.count), jnp.where(reset, lengths, added.first)), context
+
+
+def _counted(stats: SpecStats, s, active: jax.Array, n: jax.Array, drafts: jax.Array) -> SpecStats:
+    """`stats` after a step of the loop state `s` that verified `drafts` (scalar) and accepted `n [B]`."""
+    k = s.draft.shape[1]
+    slots = jnp.arange(k)
+    on = active[:, None].astype(jnp.int32)
+    reached = on * (slots < drafts) * (slots <= n[:, None])
+    return SpecStats(
+        stats.steps + active,
+        stats.accepted + n,
+        stats.reached_at + reached,
+        stats.accepted_at + on * (slots < n[:, None]),
+        stats.predicted_at + reached * s.confidence,
+        stats.chosen + on * (jnp.arange(stats.chosen.shape[1]) == s.choice),
+    )
 
 
 class SpecState(NamedTuple):
@@ -328,6 +353,64 @@ def _spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sa
         s = carry[0]
         return (s.step < limit) & ~jnp.all(s.done)
 
+    def emit(s, cache, n, nxt):
+        """Commit n `[B]` drafts + 1 of the active sequences; emit d_1..d_n then the target's token `nxt [B]`, cut
+        after the first EOS and at max_new_tokens -> (tokens, num, done, cache)."""
+        active = ~s.done
+        cache = commit(cache, jnp.where(active, n + 1, 0))
+        emitted = jnp.where(slots < n[:, None], jnp.pad(s.draft, ((0, 0), (0, 1))), nxt[:, None])
+        eos_hits = is_eos(emitted, eos_ids) & (slots <= n[:, None])
+        first_eos = jnp.where(eos_hits.any(-1), jnp.argmax(eos_hits, -1), k + 1)
+        count = jnp.minimum(jnp.minimum(n + 1, first_eos + 1), max_new_tokens - s.num)
+        count = jnp.where(active, count, 0)
+        write_at = jnp.where(slots < count[:, None], s.num[:, None] + slots, s.tokens.shape[1])  # past end: dropped
+        tokens = s.tokens.at[jnp.arange(batch)[:, None], write_at].set(emitted, mode="drop")
+        num = s.num + count
+        done = s.done | (eos_hits & (slots < count[:, None])).any(-1) | (num >= max_new_tokens) | ~_room(cache, k)
+        return tokens, num, done, cache
+
+    def plain_run(carry):
+        """As many plain steps in a row as the policy would take anyway (no sequence drafts or probes before the
+        last of them), each only what plain decoding does plus the taps: no drafter, no policy arithmetic. Stops
+        when a sequence finishes (its estimates become the prior) and before DFlash's pending rows fill up."""
+        s, cache, context = carry
+        active = ~s.done
+        pending = s.pending
+        last = plain_run_length(s)
+
+        def one(inner):
+            i, s, cache, pending = inner
+            accept_rng, _, rng = jax.random.split(s.rng, 3)
+            start = cache.lengths
+            _, nxt, cache, taps = verifiers[0](s, cache, accept_rng)
+            tokens, num, done, cache = emit(s, cache, jnp.zeros((batch,), jnp.int32), nxt)
+            if pending is not None:
+                pending = _pended(pending, taps, ~s.done)
+            seed = seed_hidden_at(taps, cache.lengths[:, None], start)[:, 0]
+            stats = _counted(s.stats, s, ~s.done, jnp.zeros((batch,), jnp.int32), jnp.int32(0))
+            s = s._replace(step=s.step + 1, tokens=tokens, num=num, done=done, anchor=nxt, seed=seed, stats=stats)
+            return i + 1, s._replace(rng=rng), cache, pending
+
+        def more(inner):
+            i, s, _, _ = inner
+            return (i < last) & ~jnp.any(active & s.done)
+
+        steps, s, cache, pending = jax.lax.while_loop(more, one, (jnp.int32(0), s, cache, pending))
+        estimates = remember(idled(s.policy, jnp.where(active, steps, 0)), active & s.done)
+        return s._replace(policy=estimates, pending=pending), cache, context
+
+    def plain_run_length(s):
+        """Scalar: plain steps certain to follow (0 unless this step is plain, its block was not drafted and the
+        estimates, which plain steps leave as they are, want no block under the current cost table): up to the step
+        before a probe falls due, within the chunk, and while DFlash's pending rows have room."""
+        active = ~s.done
+        undrafted = (s.choice == 0) & ~jnp.any(active & s.policy.drafted) & ~wants_draft(s.policy, policy, active)
+        until_probe = jnp.min(jnp.where(active, s.policy.wait - s.policy.idle, max_new_tokens)) - 1
+        last = jnp.minimum(until_probe, limit - s.step)
+        if s.pending is not None:
+            last = jnp.minimum(last, PENDING_ROWS - 1 - jnp.max(jnp.where(active, s.pending.count, 0)))
+        return jnp.where(undrafted, jnp.maximum(last, 0), 0)
+
     def draft(inputs, rng, context):
         return draft_next(bundle, sampling, inputs.replace(drafter_cache=context), rng)
 
@@ -352,28 +435,8 @@ def _spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sa
             n, nxt, cache, taps = out
         drafts = jnp.asarray(choices, jnp.int32)[s.choice]
         n = jnp.where(active, n, 0)
-        cache = commit(cache, jnp.where(active, n + 1, 0))
-        # Emit d_1..d_n then the target's token; cut after the first EOS and at max_new_tokens.
-        emitted = jnp.where(slots < n[:, None], jnp.pad(s.draft, ((0, 0), (0, 1))), nxt[:, None])
-        keep = slots <= n[:, None]
-        eos_hits = is_eos(emitted, eos_ids) & keep
-        first_eos = jnp.where(eos_hits.any(-1), jnp.argmax(eos_hits, -1), k + 1)
-        count = jnp.minimum(jnp.minimum(n + 1, first_eos + 1), max_new_tokens - s.num)
-        count = jnp.where(active, count, 0)
-        write_at = jnp.where(slots < count[:, None], s.num[:, None] + slots, s.tokens.shape[1])  # past end: dropped
-        tokens = s.tokens.at[jnp.arange(batch)[:, None], write_at].set(emitted, mode="drop")
-        num = s.num + count
-        done = s.done | (eos_hits & (slots < count[:, None])).any(-1) | (num >= max_new_tokens) | ~_room(cache, k)
-        on = active[:, None].astype(jnp.int32)
-        reached = on * (slots[:k] < drafts) * (slots[:k] <= n[:, None])
-        stats = SpecStats(
-            s.stats.steps + active,
-            s.stats.accepted + n,
-            s.stats.reached_at + reached,
-            s.stats.accepted_at + on * (slots[:k] < n[:, None]),
-            s.stats.predicted_at + reached * s.confidence,
-            s.stats.chosen + on * (jnp.arange(len(choices)) == s.choice),
-        )
+        tokens, num, done, cache = emit(s, cache, n, nxt)
+        stats = _counted(s.stats, s, active, n, drafts)
         inputs = decoding_inputs(drafter, embedding_matrix(bundle.target_params), nxt, cache, taps, start)
         seed = inputs.seed_hidden[:, 0]
         pending = s.pending
@@ -413,7 +476,12 @@ def _spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sa
         )
         return state, cache, context
 
-    return jax.lax.while_loop(cond, body, (state, cache, context))
+    def plain_first(carry):
+        """With a policy: the plain steps certain to come in their cheap form, then one full step if any is left."""
+        carry = _when(plain_run_length(carry[0]) > 0, plain_run, carry)
+        return _when(cond(carry), body, carry)
+
+    return jax.lax.while_loop(cond, body if policy is None else plain_first, (state, cache, context))
 
 
 @_engine_jit
