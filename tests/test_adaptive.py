@@ -77,8 +77,12 @@ def test_an_overconfident_drafter_falls_back_then_probes():
         steps += 1
     assert steps <= 6
     state = state._replace(drafted=~active)  # plain steps from now on: the drafter is not called
-    for _ in range(POLICY.probe_every):
-        state = observe(state, POLICY, confident, jnp.int32(0), jnp.zeros(2, jnp.int32), active)
+    plain = lambda state: observe(state, POLICY, confident, jnp.int32(0), jnp.zeros(2, jnp.int32), active)
+    for _ in range(2 * POLICY.probe_every - 1):  # two sequences in the batch: each waits twice as long
+        state = plain(state)
+    assert not bool(wants_draft(state, POLICY, active))
+    assert bool(wants_draft(state, POLICY, active.at[1].set(False)))  # alone, the first would probe by now
+    state = plain(state)
     assert bool(wants_draft(state, POLICY, active))
     assert int(step_choice(state, POLICY, confident, active)) == 1  # a probe: the smallest k
     # A probe that is accepted lifts the estimates again.
@@ -250,6 +254,20 @@ def prefill_at_width_48(bundle, capacity=64, **kw):
         return spec_prefill(bundle, jnp.asarray(padded), jnp.asarray(lengths), *caches, jax.random.key(0), costs, **kw)
 
     return prefill
+
+
+def test_h_spec_drafts_no_first_block_when_the_prior_wants_none(target_params, prompts):
+    """Prefill drafts the first block when the prior trusts the drafter; started from a prior that learnt it is
+    useless, H-Spec skips that drafter call (the first step is a plain one, ready for the inner plain loop)."""
+    config, params, vocab = random_drafter("hspec", target_params, np.concatenate(prompts))
+    bundle = Bundle(target_params, TARGET, params, config, vocab)
+    kw = dict(max_new_tokens=32, policy=POLICY)
+    trusting = prefill_at_width_48(bundle, **kw)(prompts[1])[0]
+    assert bool(trusting.policy.drafted[0])
+    useless = Prior(jnp.zeros(7), jnp.float32(0.0), jnp.int32(POLICY.probe_every))
+    skipped = prefill_at_width_48(bundle, prior=useless, **kw)(prompts[1])[0]
+    assert not bool(skipped.policy.drafted[0]) and int(skipped.choice) == 0
+    assert not np.asarray(skipped.confidence).any()
 
 
 def assert_same_drafter_rows(context, fresh_context, committed):

@@ -54,6 +54,7 @@ from hspec_jax.decoding.policy import (
     pinned_costs,
     remember,
     step_choice,
+    steps_to_probe,
     wants_draft,
 )
 from hspec_jax.decoding.proposal import propose
@@ -286,7 +287,8 @@ def spec_prefill(
     pad_id: int = 0,
     policy: AdaptivePolicy | None = None,
 ) -> tuple[SpecState, KVCache, tuple]:
-    """Prefill `bundle`'s target on right-padded `prompts [B, T]`, sample the first token, draft the first block.
+    """Prefill `bundle`'s target on right-padded `prompts [B, T]`, sample the first token, draft the first block
+    (with a `policy`, H-Spec drafts it only if the prior's estimates want one).
     Returns the loop state, the target cache and the drafter-side cache (empty unless DFlash/DSpark). The prompts
     go at each sequence's committed length, so a long prompt can be fed in pieces (earlier pieces committed by
     earlier calls, whose states are discarded). With a `policy`, `costs [C]` is its cost table (`costs.py`),
@@ -302,7 +304,6 @@ def spec_prefill(
     token = sample(first_rng, out.logits[:, 0], sampling)
     cache = commit(out.cache, lengths)
     inputs = decoding_inputs(drafter, embedding_matrix(target_params), token, cache, _fused(out.hidden), start, context)
-    draft, probs, confidence, context = draft_next(bundle, sampling, inputs, draft_rng)
     seed = inputs.seed_hidden[:, 0]
     tokens = jnp.full((batch, max_new_tokens + k + 1), pad_id, jnp.int32).at[:, 0].set(token)
     num = jnp.ones((batch,), jnp.int32)
@@ -313,12 +314,26 @@ def spec_prefill(
     stats = SpecStats(
         zeros, zeros, per_slot, per_slot, per_slot.astype(jnp.float32), jnp.zeros((batch, len(choices)), jnp.int32)
     )
+    first_block = lambda operands: draft_next(bundle, sampling, *operands)
     estimates, choice = None, jnp.int32(0)
-    if policy is not None:
+    if policy is None:
+        draft, probs, confidence, context = first_block((inputs, draft_rng))
+    else:
         if costs is None:
             raise ValueError("an adaptive policy needs its cost table (costs.py: step_costs)")
         estimates = init_policy(policy, batch, costs, prior)
-        choice = step_choice(estimates, policy, confidence, ~done)
+        # A drafter with its own cache always drafts here (the prompt's rows go into its cache); H-Spec only when
+        # the prior wants a block: an engine that learnt a drafter does not pay calls it would not use.
+        if drafter.owns_kv_cache:
+            drafting = jnp.bool_(True)
+            draft, probs, confidence, context = first_block((inputs, draft_rng))
+        else:
+            drafting = wants_draft(estimates, policy, ~done)
+            blank = jax.tree.map(jnp.zeros_like, jax.eval_shape(first_block, (inputs, draft_rng)))
+            operands = (inputs, draft_rng)
+            draft, probs, confidence, context = jax.lax.cond(drafting, first_block, lambda _: blank, operands)
+        choice = jnp.where(drafting, step_choice(estimates, policy, confidence, ~done), 0)
+        estimates = estimates._replace(drafted=jnp.broadcast_to(drafting, (batch,)))
     pending = _no_pending(inputs.seed_hidden, cache.lengths) if policy is not None and drafter.owns_kv_cache else None
     state = SpecState(
         jnp.int32(0),
@@ -405,7 +420,7 @@ def _spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sa
         before a probe falls due, within the chunk, and while DFlash's pending rows have room."""
         active = ~s.done
         undrafted = (s.choice == 0) & ~jnp.any(active & s.policy.drafted) & ~wants_draft(s.policy, policy, active)
-        until_probe = jnp.min(jnp.where(active, s.policy.wait - s.policy.idle, max_new_tokens)) - 1
+        until_probe = jnp.min(jnp.where(active, steps_to_probe(s.policy, active), max_new_tokens)) - 1
         last = jnp.minimum(until_probe, limit - s.step)
         if s.pending is not None:
             last = jnp.minimum(last, PENDING_ROWS - 1 - jnp.max(jnp.where(active, s.pending.count, 0)))
