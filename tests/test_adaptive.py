@@ -78,10 +78,10 @@ def test_an_overconfident_drafter_falls_back_then_probes():
     assert steps <= 6
     state = state._replace(drafted=~active)  # plain steps from now on: the drafter is not called
     plain = lambda state: observe(state, POLICY, confident, jnp.int32(0), jnp.zeros(2, jnp.int32), active)
-    for _ in range(2 * POLICY.probe_every - 1):  # two sequences in the batch: each waits twice as long
+    for _ in range(2 * POLICY.probe_every - 1):  # a batch of two: each waits twice as long
         state = plain(state)
     assert not bool(wants_draft(state, POLICY, active))
-    assert bool(wants_draft(state, POLICY, active.at[1].set(False)))  # alone, the first would probe by now
+    assert not bool(wants_draft(state, POLICY, active.at[1].set(False)))  # also once the second has finished
     state = plain(state)
     assert bool(wants_draft(state, POLICY, active))
     assert int(step_choice(state, POLICY, confident, active)) == 1  # a probe: the smallest k

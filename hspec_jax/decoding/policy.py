@@ -31,8 +31,8 @@ An uncalibrated or untrained drafter (high c_i, nothing accepted) thus drives A 
 within a few steps and falls back to plain decoding, probing once every `probe_every` steps.
 
 Probes back off: a probe that has nothing accepted doubles the plain steps before the next one (up to `probe_max`);
-any accepted draft sets the wait back to `probe_every`. In a batch of n active sequences each waits n times as long:
-a probe makes the whole batch verify a wider block, so the batch probes about as often as one sequence alone.
+any accepted draft sets the wait back to `probe_every`. In a batch of B sequences each waits B times as long: a
+probe makes the whole batch verify a wider block, so the batch probes about as often as one sequence alone.
 
 Across sequences: a new sequence starts from the engine's `Prior` (per-slot acceptance and calibration ratio,
 weighted `prior_weight` pseudo-steps, and the wait for its first probe), at first the policy's `prior` with full
@@ -168,29 +168,29 @@ def calibrated_acceptance(state: PolicyState, confidence: jax.Array) -> jax.Arra
     return jnp.minimum(confidence * ratio[:, None], 1.0)
 
 
-def steps_to_probe(state: PolicyState, active: jax.Array) -> jax.Array:
-    """`[B]` plain steps left before each sequence's probe is due. The wait is multiplied by the number of `active
-    [B]` sequences: a probe widens the whole batch's verification, so a batch of n probes about as often as one
-    sequence alone."""
-    return state.wait * jnp.maximum(jnp.sum(active), 1) - state.idle
+def steps_to_probe(state: PolicyState) -> jax.Array:
+    """`[B]` plain steps left before each sequence's probe is due. The wait is multiplied by the batch size B (a
+    server's slots): a probe widens the whole batch's verification, so a batch probes about as often as one sequence
+    alone; B, not the number still active, so that a sequence finishing never brings another's probe forward."""
+    return state.wait * state.wait.shape[0] - state.idle
 
 
-def probing(state: PolicyState, active: jax.Array) -> jax.Array:
+def probing(state: PolicyState) -> jax.Array:
     """`[B]` whether a sequence has taken as many plain steps in a row as its probe waits for."""
-    return steps_to_probe(state, active) <= 0
+    return steps_to_probe(state) <= 0
 
 
 def wants_draft(state: PolicyState, policy: AdaptivePolicy, active: jax.Array) -> jax.Array:
     """Decision 1, before drafting: scalar, whether any active sequence wants a next block."""
     best = best_choice(history_acceptance(state), state.costs, policy.choices)
-    return jnp.any(active & ((best > 0) | probing(state, active)))
+    return jnp.any(active & ((best > 0) | probing(state)))
 
 
 def step_choice(state: PolicyState, policy: AdaptivePolicy, confidence: jax.Array, active: jax.Array) -> jax.Array:
     """Decision 2, after drafting with predictions `confidence [B, k]`: scalar index into `choices` of the
     next step's k, the largest any active sequence chose (a probing sequence at least choice 1)."""
     best = best_choice(calibrated_acceptance(state, confidence), state.costs, policy.choices)
-    best = jnp.where(probing(state, active), jnp.maximum(best, 1), best)
+    best = jnp.where(probing(state), jnp.maximum(best, 1), best)
     return jnp.max(jnp.where(active, best, 0))
 
 
@@ -216,7 +216,7 @@ def observe(
     verified = active & (drafts > 0)
     pooled = jnp.stack([jnp.sum(hit * reached, -1), jnp.sum(confidence * reached, -1)], -1)
     calibration = jnp.where(verified[:, None], policy.decay * state.calibration + pooled, state.calibration)
-    failed_probe = verified & probing(state, active) & (n == 0)
+    failed_probe = verified & probing(state) & (n == 0)
     wait = jnp.where(failed_probe, jnp.minimum(2 * state.wait, policy.probe_max), state.wait)
     wait = jnp.where(verified & (n > 0), policy.probe_every, wait)
     return state._replace(

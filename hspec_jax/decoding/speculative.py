@@ -386,15 +386,16 @@ def _spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sa
 
     def plain_run(carry):
         """As many plain steps in a row as the policy would take anyway (no sequence drafts or probes before the
-        last of them), each only what plain decoding does plus the taps: no drafter, no policy arithmetic. Stops
-        when a sequence finishes (its estimates become the prior) and before DFlash's pending rows fill up."""
+        last of them), each only what plain decoding does plus the taps: no drafter, no policy arithmetic. Sequences
+        that finish during the run are remembered together at its end (their estimates do not change once done)."""
         s, cache, context = carry
         active = ~s.done
         pending = s.pending
         last = plain_run_length(s)
 
         def one(inner):
-            i, s, cache, pending = inner
+            i, plain, s, cache, pending = inner
+            plain = plain + ~s.done
             accept_rng, _, rng = jax.random.split(s.rng, 3)
             start = cache.lengths
             _, nxt, cache, taps = verifiers[0](s, cache, accept_rng)
@@ -404,14 +405,14 @@ def _spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sa
             seed = seed_hidden_at(taps, cache.lengths[:, None], start)[:, 0]
             stats = _counted(s.stats, s, ~s.done, jnp.zeros((batch,), jnp.int32), jnp.int32(0))
             s = s._replace(step=s.step + 1, tokens=tokens, num=num, done=done, anchor=nxt, seed=seed, stats=stats)
-            return i + 1, s._replace(rng=rng), cache, pending
+            return i + 1, plain, s._replace(rng=rng), cache, pending
 
         def more(inner):
-            i, s, _, _ = inner
-            return (i < last) & ~jnp.any(active & s.done)
+            return (inner[0] < last) & ~jnp.all(inner[2].done)
 
-        steps, s, cache, pending = jax.lax.while_loop(more, one, (jnp.int32(0), s, cache, pending))
-        estimates = remember(idled(s.policy, jnp.where(active, steps, 0)), active & s.done)
+        start = (jnp.int32(0), jnp.zeros((batch,), jnp.int32), s, cache, pending)
+        _, plain, s, cache, pending = jax.lax.while_loop(more, one, start)
+        estimates = remember(idled(s.policy, plain), active & s.done)
         return s._replace(policy=estimates, pending=pending), cache, context
 
     def plain_run_length(s):
@@ -420,7 +421,7 @@ def _spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sa
         before a probe falls due, within the chunk, and while DFlash's pending rows have room."""
         active = ~s.done
         undrafted = (s.choice == 0) & ~jnp.any(active & s.policy.drafted) & ~wants_draft(s.policy, policy, active)
-        until_probe = jnp.min(jnp.where(active, steps_to_probe(s.policy, active), max_new_tokens)) - 1
+        until_probe = jnp.min(jnp.where(active, steps_to_probe(s.policy), max_new_tokens)) - 1
         last = jnp.minimum(until_probe, limit - s.step)
         if s.pending is not None:
             last = jnp.minimum(last, PENDING_ROWS - 1 - jnp.max(jnp.where(active, s.pending.count, 0)))
