@@ -384,36 +384,34 @@ def _spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sa
         done = s.done | (eos_hits & (slots < count[:, None])).any(-1) | (num >= max_new_tokens) | ~_room(cache, k)
         return tokens, num, done, cache
 
-    def plain_run(carry):
-        """As many plain steps in a row as the policy would take anyway (no sequence drafts or probes before the
-        last of them), each only what plain decoding does plus the taps: no drafter, no policy arithmetic. Sequences
-        that finish during the run are remembered together at its end (their estimates do not change once done)."""
+    def plain_run(carry, last):
+        """`last` plain steps in a row (`plain_run_length`; fewer if every sequence finishes), each only what plain
+        decoding does plus the taps: no drafter, no policy arithmetic. Sequences that finish during the run are
+        remembered together at its end (their estimates do not change once done)."""
         s, cache, context = carry
         active = ~s.done
-        pending = s.pending
-        last = plain_run_length(s)
+        none = jnp.zeros((batch,), jnp.int32)
 
         def one(inner):
-            i, plain, s, cache, pending = inner
-            plain = plain + ~s.done
+            i, plain, s, cache = inner
+            running = ~s.done
             accept_rng, _, rng = jax.random.split(s.rng, 3)
             start = cache.lengths
             _, nxt, cache, taps = verifiers[0](s, cache, accept_rng)
-            tokens, num, done, cache = emit(s, cache, jnp.zeros((batch,), jnp.int32), nxt)
-            if pending is not None:
-                pending = _pended(pending, taps, ~s.done)
+            tokens, num, done, cache = emit(s, cache, none, nxt)
+            pending = None if s.pending is None else _pended(s.pending, taps, running)
             seed = seed_hidden_at(taps, cache.lengths[:, None], start)[:, 0]
-            stats = _counted(s.stats, s, ~s.done, jnp.zeros((batch,), jnp.int32), jnp.int32(0))
-            s = s._replace(step=s.step + 1, tokens=tokens, num=num, done=done, anchor=nxt, seed=seed, stats=stats)
-            return i + 1, plain, s._replace(rng=rng), cache, pending
+            stats = _counted(s.stats, s, running, none, jnp.int32(0))
+            s = s._replace(
+                step=s.step + 1, tokens=tokens, num=num, done=done, anchor=nxt, seed=seed, stats=stats, pending=pending
+            )
+            return i + 1, plain + running, s._replace(rng=rng), cache
 
         def more(inner):
             return (inner[0] < last) & ~jnp.all(inner[2].done)
 
-        start = (jnp.int32(0), jnp.zeros((batch,), jnp.int32), s, cache, pending)
-        _, plain, s, cache, pending = jax.lax.while_loop(more, one, start)
-        estimates = remember(idled(s.policy, plain), active & s.done)
-        return s._replace(policy=estimates, pending=pending), cache, context
+        _, plain, s, cache = jax.lax.while_loop(more, one, (jnp.int32(0), none, s, cache))
+        return s._replace(policy=remember(idled(s.policy, plain), active & s.done)), cache, context
 
     def plain_run_length(s):
         """Scalar: plain steps certain to follow (0 unless this step is plain, its block was not drafted and the
@@ -494,7 +492,8 @@ def _spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sa
 
     def plain_first(carry):
         """With a policy: the plain steps certain to come in their cheap form, then one full step if any is left."""
-        carry = _when(plain_run_length(carry[0]) > 0, plain_run, carry)
+        last = plain_run_length(carry[0])
+        carry = _when(last > 0, lambda c: plain_run(c, last), carry)
         return _when(cond(carry), body, carry)
 
     return jax.lax.while_loop(cond, body if policy is None else plain_first, (state, cache, context))
