@@ -116,13 +116,26 @@ def without_compile_cache(env: dict) -> dict:
     return {k: v for k, v in env.items() if k != COMPILE_CACHE}
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """With pytest-xdist's `--dist loadgroup` (`make test`) a worker takes whole test files, so module fixtures
     are built once; the tests marked `xdist_group("processes")` (many simulated devices or several
-    processes, each using every core) run one after another on one worker, never two at once."""
+    processes, each using every core) run one after another on one worker, never two at once. That group is the
+    longest (~4.5 min of the suite's ~27 min of test time), so it goes first: started last, it would run on
+    alone at the end."""
     for item in items:
         if not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(os.path.basename(item.fspath)))
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != "processes")
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    """pytest-xdist groups a worker's tests by the `@group` it appends to their ids; where it cannot (pytest 9.2
+    with xdist 3.8), every group is scattered over the workers: module fixtures are built once per worker and the
+    multi-process tests run side by side. Stop at once instead of running the suite that way."""
+    if node.config.getoption("dist") == "loadgroup" and any("@" not in nodeid for nodeid in ids):
+        reason = "pytest-xdist did not group the tests (--dist loadgroup): use the pytest pinned in pyproject.toml"
+        pytest.exit(reason, returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 def pytest_unconfigure(config):

@@ -19,7 +19,7 @@ from hspec_jax.checkpoints import (
     restore_target,
     save_target,
 )
-from hspec_jax.checkpoints.gguf import load_gguf_target
+from hspec_jax.checkpoints.gguf import load_gguf_target, read_gguf
 from hspec_jax.models import forward, init_cache
 
 TOKENS = np.array([[4, 8, 15, 16, 23, 42, 2, 61, 33, 9, 70, 5]])
@@ -144,6 +144,20 @@ def test_gguf_import_undoes_llama_qk_permutation(tmp_path):
     config, params = load_gguf_target(str(tmp_path / "tiny.gguf"))
     assert not config.tie_word_embeddings and config.num_kv_heads == 2
     np.testing.assert_allclose(jax_logits(config, params), hf_logits(model, TOKENS).logits.numpy(), atol=1e-4, rtol=0)
+
+
+def test_a_gguf_file_is_parsed_once_per_process_until_it_changes(tmp_path):
+    """Loading the same GGUF again reuses its parsed metadata; a file written anew at that path is read again."""
+    path = tmp_path / "tiny.gguf"
+    _write_llama_gguf(tiny_hf_model("llama", rope_parameters={"rope_type": "default", "rope_theta": 1e4}), path)
+    assert read_gguf(str(path)) is read_gguf(str(path))
+    first = load_gguf_target(str(path))[1]
+    other = tiny_hf_model("llama", seed=1, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    path.unlink()
+    _write_llama_gguf(other, path)
+    reloaded = load_gguf_target(str(path))[1]
+    assert not np.array_equal(first["norm"]["scale"], reloaded["norm"]["scale"])
+    np.testing.assert_array_equal(reloaded["norm"]["scale"], other.model.norm.weight.detach().numpy())
 
 
 # ----- strict loading: clear errors naming the problem ---------------------------------------------------------

@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import hf_logits
 
+from hspec_jax.checkpoints import load_tokenizer
 from hspec_jax.decoding import generate
 from hspec_jax.models import forward, init_cache
 
@@ -45,3 +46,21 @@ def test_64_greedy_tokens_match_transformers_generate(smollm2, smollm2_hf, chat_
     )
     assert int(out.num_tokens[0]) == 64
     np.testing.assert_array_equal(np.asarray(out.tokens[0]), ref)
+
+
+def test_smollm2_long_prompt_matches_transformers(smollm2, smollm2_hf):
+    """A 700-token prompt through the blocked attention gives transformers' logits (the real model)."""
+    config, weights = smollm2
+    ids = np.random.default_rng(2).integers(10, 40000, (1, 700))
+    ours = jax.jit(lambda w, t: forward(w, config, t, init_cache(config, 1, 704)).logits)(weights, jnp.asarray(ids))
+    with torch.no_grad():
+        theirs = smollm2_hf(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours)[0, ::50], theirs[0, ::50], atol=2e-3)
+
+
+def test_the_gguf_tokenizer_is_built_once_and_handed_out_as_copies(smollm2_tokenizer):
+    again = load_tokenizer("smollm2")
+    assert again is not smollm2_tokenizer and again.get_vocab() == smollm2_tokenizer.get_vocab()
+    assert again.chat_template == smollm2_tokenizer.chat_template
+    again.add_tokens(["<only-in-this-copy>"])
+    assert "<only-in-this-copy>" not in load_tokenizer("smollm2").get_vocab()

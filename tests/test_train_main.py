@@ -106,11 +106,12 @@ ONE_CHECKPOINT = f"--config.train.checkpoint_every={NUM_STEPS}"
 TRAIN_COUNT = 160
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def straight(tmp_path_factory):
     """(data file, work directory, printed result, step overrides) of one uninterrupted 6-step run with a held-out
     file, the reference of the resume and multi-process tests (which run with the same step overrides). The
-    held-out file repeats the first training conversation, so training must drop it."""
+    held-out file repeats the first training conversation, so training must drop it. Session-scoped: a worker
+    may run another file's test between these tests, which would tear down a module fixture and run it again."""
     root = tmp_path_factory.mktemp("train_main")
     data = write_conversations(root / "chat.jsonl", TRAIN_COUNT)
     held_out = write_jsonl(root / "heldout.jsonl", [*conversations(12, seed=1, prefix="held"), conversations(1)[0]])

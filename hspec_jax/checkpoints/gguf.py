@@ -7,6 +7,7 @@ Every tensor in the file must be consumed; anything unknown is an error naming t
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 
@@ -129,10 +130,25 @@ def gguf_target_config(reader: gguf.GGUFReader, path: str, **config_overrides) -
     return target_config_from_hf(hf_config_from_gguf(reader), path, **config_overrides)
 
 
+def file_stamp(path: str) -> tuple[str, int, int, int]:
+    """(real path, inode, size, modification time in ns): what a per-process cache of a file's contents is keyed
+    by, so that a file replaced or rewritten in place is read again."""
+    stat = os.stat(path)
+    return os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
 def read_gguf(path: str) -> gguf.GGUFReader:
-    """Open a GGUF file (memory-mapped); a truncated or corrupted file is an error that names it."""
+    """Open a GGUF file (memory-mapped); a truncated or corrupted file is an error that names it. Parsing the
+    metadata takes seconds (SmolLM2's: ~3.5 s, most of it the tokenizer's 49k-entry arrays), so one process
+    parses each file once: reading the config and then the weights, or converting after generating, reuse it."""
     if not os.path.isfile(path):
         raise CheckpointError(f"GGUF file {path!r} does not exist")
+    return _parsed_gguf(*file_stamp(path))
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed_gguf(path: str, *stamp: int) -> gguf.GGUFReader:
+    del stamp  # cache key only
     try:
         return gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, struct.error) as e:

@@ -3,10 +3,12 @@ or a directory converted to Orbax by `python -m hspec_jax.checkpoints.convert`."
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib.util
 import os
 
-from hspec_jax.checkpoints.gguf import gguf_target_config, load_gguf_target, read_gguf
+from hspec_jax.checkpoints.gguf import file_stamp, gguf_target_config, load_gguf_target, read_gguf
 from hspec_jax.checkpoints.hf import CheckpointError, hf_target_config, load_hf_target
 from hspec_jax.checkpoints.orbax_io import is_orbax_target, orbax_target_config, restore_target
 from hspec_jax.models.config import TargetConfig
@@ -65,18 +67,29 @@ def read_target_config(spec: str, **config_overrides) -> TargetConfig:
 
 
 def load_tokenizer(spec: str):
-    """The tokenizer (with its chat template) that belongs to a target spec."""
-    from transformers import AutoTokenizer
-
+    """The tokenizer (with its chat template) that belongs to a target spec. A GGUF file's tokenizer is built by
+    transformers from the file's metadata (~9 s for SmolLM2's), so one process builds it once and hands out
+    copies (~0.2 s); the other formats read a saved tokenizer, which is quick."""
     path, fmt = target_format(spec)
     if fmt == "gguf":
-        where, kw = os.path.dirname(path), {"gguf_file": os.path.basename(path)}
-    elif fmt == "orbax":
-        where, kw = os.path.join(path, "tokenizer"), {}
+        return copy.deepcopy(_gguf_tokenizer(*file_stamp(path)))
+    where = path
+    if fmt == "orbax":
+        where = os.path.join(path, "tokenizer")
         if not os.path.isdir(where):
             raise CheckpointError(f"converted target {path!r} was saved without a tokenizer")
-    else:
-        where, kw = path, {}
+    return _tokenizer(path, where)
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_tokenizer(path: str, *stamp: int):
+    del stamp  # cache key only
+    return _tokenizer(path, os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+def _tokenizer(path: str, where: str, **kw):
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(where, **kw)
     except (OSError, ValueError, KeyError) as e:
