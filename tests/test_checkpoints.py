@@ -148,11 +148,11 @@ def test_gguf_import_undoes_llama_qk_permutation(tmp_path):
 
 def test_a_gguf_file_is_parsed_once_per_process_until_it_changes(tmp_path):
     """Loading the same GGUF again reuses its parsed metadata; a file written anew at that path is read again."""
-    path = tmp_path / "tiny.gguf"
-    _write_llama_gguf(tiny_hf_model("llama", rope_parameters={"rope_type": "default", "rope_theta": 1e4}), path)
+    path, rope = tmp_path / "tiny.gguf", {"rope_type": "default", "rope_theta": 1e4}
+    _write_llama_gguf(tiny_hf_model("llama", rope_parameters=rope), path)
     assert read_gguf(str(path)) is read_gguf(str(path))
     first = load_gguf_target(str(path))[1]
-    other = tiny_hf_model("llama", seed=1, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    other = tiny_hf_model("llama", seed=1, rope_parameters=rope)
     path.unlink()
     _write_llama_gguf(other, path)
     reloaded = load_gguf_target(str(path))[1]

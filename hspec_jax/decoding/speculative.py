@@ -315,9 +315,10 @@ def spec_prefill(
         zeros, zeros, per_slot, per_slot, per_slot.astype(jnp.float32), jnp.zeros((batch, len(choices)), jnp.int32)
     )
     first_block = lambda operands: draft_next(bundle, sampling, *operands)
+    operands = (inputs, draft_rng)
     estimates, choice = None, jnp.int32(0)
     if policy is None:
-        draft, probs, confidence, context = first_block((inputs, draft_rng))
+        draft, probs, confidence, context = first_block(operands)
     else:
         if costs is None:
             raise ValueError("an adaptive policy needs its cost table (costs.py: step_costs)")
@@ -326,11 +327,10 @@ def spec_prefill(
         # the prior wants a block: an engine that learnt a drafter does not pay calls it would not use.
         if drafter.owns_kv_cache:
             drafting = jnp.bool_(True)
-            draft, probs, confidence, context = first_block((inputs, draft_rng))
+            draft, probs, confidence, context = first_block(operands)
         else:
             drafting = wants_draft(estimates, policy, ~done)
-            blank = jax.tree.map(jnp.zeros_like, jax.eval_shape(first_block, (inputs, draft_rng)))
-            operands = (inputs, draft_rng)
+            blank = jax.tree.map(jnp.zeros_like, jax.eval_shape(first_block, operands))
             draft, probs, confidence, context = jax.lax.cond(drafting, first_block, lambda _: blank, operands)
         choice = jnp.where(drafting, step_choice(estimates, policy, confidence, ~done), 0)
         estimates = estimates._replace(drafted=jnp.broadcast_to(drafting, (batch,)))
