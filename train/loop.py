@@ -283,9 +283,18 @@ def initial_params(run: Run, resuming: bool) -> dict:
 
 
 def initial_state(run: Run, params: dict, optimizer) -> TrainState:
-    """A fresh train state on the mesh: `params` and the optimiser state, sharded like them, at step 0."""
+    """A fresh train state on the mesh: `params` and the optimiser state, sharded like them, at step 0. The leaves
+    not placed on the mesh (the step, the optimiser's counts, the rng) are replicated on it, where the train step
+    returns them: left on one device, they would make the second step compile the program again."""
     opt_state = jax.jit(optimizer.init)(params)
-    return TrainState(jnp.int32(0), params, opt_state, jax.random.key_data(jax.random.key(run.config.train.seed)))
+    state = TrainState(jnp.int32(0), params, opt_state, jax.random.key_data(jax.random.key(run.config.train.seed)))
+    replicated = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec())
+
+    def on_mesh(x):
+        placed = isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == run.mesh
+        return x if placed else jax.device_put(x, replicated)
+
+    return jax.tree.map(on_mesh, state)
 
 
 def global_batch(mesh: jax.sharding.Mesh, local: dict) -> dict:
