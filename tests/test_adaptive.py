@@ -49,6 +49,11 @@ from hspec_jax.models import init_cache
 POLICY = AdaptivePolicy.for_drafts(7)
 CPU_LIKE = jnp.array([1.0, 1.3, 1.45, 1.7, 2.2])  # T(k) / T(0) for k = 0, 1, 2, 4, 7, as on a 2-core CPU
 FREE = jnp.array([1.0, 1.0, 1.0, 1.0, 1.0])  # an accelerator at small batch: drafting costs nothing
+# The engine compiles one verification per choice; the engine tests below give it three (a plain step, a short and
+# the full draft), which take every path of the loop at two thirds of the compilation of the default five.
+ENGINE = AdaptivePolicy(choices=(0, 2, 7))
+ENGINE_CPU_LIKE = jnp.array([1.0, 1.45, 2.2])
+ENGINE_FREE = jnp.ones(3)
 
 
 def test_choices_and_expected_yield():
@@ -175,12 +180,11 @@ def test_batch_takes_the_largest_choice_of_active_sequences():
 
 def generate_auto(target, params, config, vocab, prompts, costs, **kw):
     tokens, lengths = pad_batch(prompts)
-    policy = AdaptivePolicy.for_drafts(config.num_drafts)
     return speculative_generate(
         Bundle(target, TARGET, params, config, vocab),
         jnp.asarray(tokens),
         jnp.asarray(lengths),
-        policy=policy,
+        policy=ENGINE,
         costs=costs,
         **kw,
     )
@@ -195,7 +199,7 @@ def test_auto_is_lossless_and_a_random_drafter_decodes_plainly(kind, target_para
     config, params, vocab = random_drafter(kind, target_params, np.concatenate(prompts))
     ar = generate(target_params, TARGET, jnp.asarray(tokens), jnp.asarray(lengths), max_new_tokens=60, eos_ids=(EOS,))
     kw = dict(max_new_tokens=60, eos_ids=(EOS,))
-    for costs in (FREE, CPU_LIKE):
+    for costs in (ENGINE_FREE, ENGINE_CPU_LIKE):
         spec = generate_auto(target_params, params, config, vocab, prompts, costs, **kw)
         np.testing.assert_array_equal(np.asarray(spec.num_tokens), np.asarray(ar.num_tokens))
         np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
@@ -203,7 +207,7 @@ def test_auto_is_lossless_and_a_random_drafter_decodes_plainly(kind, target_para
     assert chosen[0] >= 0.8 * chosen.sum(), chosen  # under CPU-like costs: mostly plain steps
     # The next generation starts from what this one learnt: it no longer trusts the drafter at first.
     assert float(spec.prior.acceptance[0]) < 0.3
-    again = generate_auto(target_params, params, config, vocab, prompts, CPU_LIKE, prior=spec.prior, **kw)
+    again = generate_auto(target_params, params, config, vocab, prompts, ENGINE_CPU_LIKE, prior=spec.prior, **kw)
     np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(ar.tokens))
     drafted = lambda gen: int(np.asarray(gen.stats.chosen)[:, 1:].sum())
     # Fewer drafting steps, unless the first generation drafted no more than one probe per sequence anyway.
@@ -217,13 +221,13 @@ def test_auto_drafts_far_with_a_good_drafter(kind, target_params, prompts):
     config, params, vocab = oracle_drafter(kind, target)
     tokens, lengths = pad_batch(prompts)
     ar = generate(target, TARGET, jnp.asarray(tokens), jnp.asarray(lengths), max_new_tokens=40)
-    spec = generate_auto(target, params, config, vocab, prompts, CPU_LIKE, max_new_tokens=40)
+    spec = generate_auto(target, params, config, vocab, prompts, ENGINE_CPU_LIKE, max_new_tokens=40)
     np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
     assert spec.stats.tau() > 3.0
     assert int(np.asarray(spec.stats.chosen)[:, -1].sum()) > 0  # k = 7 chosen
 
 
-@pytest.mark.parametrize("costs", [pinned_costs(POLICY, 0), CPU_LIKE])
+@pytest.mark.parametrize("costs", [pinned_costs(ENGINE, 0), ENGINE_CPU_LIKE])
 def test_auto_sampled_outputs_follow_the_target_distribution(costs, target_params):
     """Plain steps only, then the policy's own mix of draft lengths: the joint of 3 tokens is the target's."""
     target = bigram_target(target_params, 0.03)
@@ -246,9 +250,9 @@ def test_auto_sampled_outputs_follow_the_target_distribution(costs, target_param
 
 def prefill_at_width_48(bundle, capacity=64, **kw):
     """`spec_prefill` of one prompt into fresh caches of `capacity` rows, padded to width 48 (one compiled program
-    for every prompt), under the cost table `costs` (default CPU_LIKE)."""
+    for every prompt), under the cost table `costs` (default ENGINE_CPU_LIKE)."""
 
-    def prefill(tokens, costs=CPU_LIKE):
+    def prefill(tokens, costs=ENGINE_CPU_LIKE):
         caches = (init_cache(TARGET, 1, capacity), drafter_context(bundle.drafter, 1, capacity))
         padded, lengths = pad_batch([tokens], length=48)
         return spec_prefill(bundle, jnp.asarray(padded), jnp.asarray(lengths), *caches, jax.random.key(0), costs, **kw)
@@ -261,10 +265,10 @@ def test_h_spec_drafts_no_first_block_when_the_prior_wants_none(target_params, p
     useless, H-Spec skips that drafter call (the first step is a plain one, ready for the inner plain loop)."""
     config, params, vocab = random_drafter("hspec", target_params, np.concatenate(prompts))
     bundle = Bundle(target_params, TARGET, params, config, vocab)
-    kw = dict(max_new_tokens=32, policy=POLICY)
+    kw = dict(max_new_tokens=32, policy=ENGINE)
     trusting = prefill_at_width_48(bundle, **kw)(prompts[1])[0]
     assert bool(trusting.policy.drafted[0])
-    useless = Prior(jnp.zeros(7), jnp.float32(0.0), jnp.int32(POLICY.probe_every))
+    useless = Prior(jnp.zeros(7), jnp.float32(0.0), jnp.int32(ENGINE.probe_every))
     skipped = prefill_at_width_48(bundle, prior=useless, **kw)(prompts[1])[0]
     assert not bool(skipped.policy.drafted[0]) and int(skipped.choice) == 0
     assert not np.asarray(skipped.confidence).any()
@@ -282,15 +286,15 @@ def test_drafter_state_after_plain_steps_is_what_a_fresh_prefill_gives(kind, tar
     injects them once `PENDING_ROWS` wait and the rest with the next drafting step's."""
     config, params, vocab = random_drafter(kind, target_params, np.concatenate(prompts))
     prompt, plain_steps = prompts[1], PENDING_ROWS + 2
-    kw = dict(max_new_tokens=32, policy=POLICY)
+    kw = dict(max_new_tokens=32, policy=ENGINE)
     bundle = Bundle(target_params, TARGET, params, config, vocab)
     prefill = prefill_at_width_48(bundle, **kw)
     state, cache, context = prefill(prompt)
-    state = state._replace(choice=jnp.int32(0), policy=state.policy._replace(costs=pinned_costs(POLICY, 0)))
+    state = state._replace(choice=jnp.int32(0), policy=state.policy._replace(costs=pinned_costs(ENGINE, 0)))
     state, cache, context = spec_decode_chunk(bundle, state, cache, context, plain_steps, **kw)
     assert int(state.num[0]) == plain_steps + 1
     # One more plain step, after which the policy drafts (a free cost table for k = 7).
-    state = state._replace(policy=state.policy._replace(costs=pinned_costs(POLICY, 4)))
+    state = state._replace(policy=state.policy._replace(costs=pinned_costs(ENGINE, 2)))
     state, cache, context = spec_decode_chunk(bundle, state, cache, context, 1, **kw)
     emitted = [int(t) for t in np.asarray(state.tokens[0, : int(state.num[0])])]
     fresh, fresh_cache, fresh_context = prefill(prompt + emitted[:-1])
@@ -306,10 +310,10 @@ def test_a_decode_of_plain_steps_hands_back_every_committed_dflash_row(target_pa
     """DFlash under a policy that never drafts: the rows still pending when the loop ends are injected before
     `spec_decode` returns, so its drafter cache equals that of a prefill of the whole text."""
     config, params, vocab = random_drafter("dflash", target_params, np.concatenate(prompts))
-    prompt, kw = prompts[1], dict(max_new_tokens=32, policy=POLICY)
+    prompt, kw = prompts[1], dict(max_new_tokens=32, policy=ENGINE)
     bundle = Bundle(target_params, TARGET, params, config, vocab)
     prefill = prefill_at_width_48(bundle, **kw)
-    state, cache, context = prefill(prompt, pinned_costs(POLICY, 0))
+    state, cache, context = prefill(prompt, pinned_costs(ENGINE, 0))
     gen = spec_decode(bundle, state._replace(choice=jnp.int32(0)), cache, context, **kw)
     emitted = [int(t) for t in np.asarray(gen.tokens[0, : int(gen.num_tokens[0])])]
     assert len(emitted) == 32 and int(gen.stats.chosen[0, 0]) == 31  # all plain: 31 steps after the first token
