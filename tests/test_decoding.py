@@ -78,38 +78,6 @@ def test_ragged_batch_equals_each_sequence_alone(tiny):
     assert len({tuple(np.asarray(r)) for r in batch.tokens}) == 3
 
 
-@pytest.mark.slow
-def test_ragged_batch_on_smollm2(smollm2, smollm2_tokenizer):
-    from hspec_jax.chat import chat_prompt_ids
-
-    config, params = smollm2
-    texts = ["What is the capital of France?", "List three colours.", "Say hello in Spanish and in German."]
-    prompts = [chat_prompt_ids(smollm2_tokenizer, t) for t in texts]
-    tokens, lengths = pad_batch(prompts, pad_id=config.pad_token_id)
-    batch = generate(
-        params,
-        config,
-        jnp.asarray(tokens),
-        jnp.asarray(lengths),
-        max_new_tokens=24,
-        eos_ids=config.eos_token_ids,
-        pad_id=config.pad_token_id,
-    )
-    for i, prompt in enumerate(prompts):
-        alone = generate(
-            params,
-            config,
-            jnp.asarray([prompt]),
-            jnp.asarray([len(prompt)]),
-            max_new_tokens=24,
-            eos_ids=config.eos_token_ids,
-            pad_id=config.pad_token_id,
-        )
-        assert int(alone.num_tokens[0]) == int(batch.num_tokens[i])
-        np.testing.assert_array_equal(np.asarray(batch.tokens[i]), np.asarray(alone.tokens[0]))
-    assert "Paris" in smollm2_tokenizer.decode(np.asarray(batch.tokens[0][: batch.num_tokens[0]]))
-
-
 def test_decode_step_updates_cache_in_place():
     """The cache is donated: its buffers alias the output and no full copy appears in temporaries."""
     config = TINY.replace(num_layers=6)

@@ -283,6 +283,20 @@ def smollm2_reference(smollm2, smollm2_tokenizer):
 
 
 @pytest.mark.slow
+def test_ragged_batch_on_smollm2_equals_its_padded_prompt_alone(smollm2, smollm2_tokenizer, smollm2_reference):
+    """Plain decoding of the ragged batch: its shortest prompt, padded there, gives the tokens it gives alone (any
+    row alone: tests/test_decoding.py on a tiny target)."""
+    target, target_params = smollm2
+    prompts, kw, (_, _, batch) = smollm2_reference
+    i = min(range(len(prompts)), key=lambda i: len(prompts[i]))
+    assert len(prompts[i]) < max(map(len, prompts))
+    alone = generate(target_params, target, jnp.asarray([prompts[i]]), jnp.asarray([len(prompts[i])]), **kw)
+    assert int(alone.num_tokens[0]) == int(batch.num_tokens[i])
+    np.testing.assert_array_equal(np.asarray(batch.tokens[i]), np.asarray(alone.tokens[0]))
+    assert "7 times 6" in smollm2_tokenizer.decode(np.asarray(batch.tokens[2][: batch.num_tokens[2]]))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["hspec"])  # every kind: on tiny targets above; the shipped H-Spec: tests/test_cli.py
 def test_greedy_lossless_on_smollm2(kind, smollm2, smollm2_reference):
     """On the real target, a ragged batch of three chat prompts decodes to its own greedy tokens. (Batch 1 on
