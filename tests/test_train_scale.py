@@ -22,5 +22,6 @@ def test_sharded_training_equals_one_device():
     single = results["single"]["losses"]
     assert single[-1] < single[0]
     np.testing.assert_allclose(results["data=2,fsdp=2,model=2"]["losses"], single, rtol=2e-4)
+    assert results["data=2,fsdp=2,model=2"]["step_programs"] == 1
     assert results["data=2,fsdp=2,model=2"]["fc_sharding"] == "P('fsdp',)"
     assert results["data=2,fsdp=2,model=2"]["batch_sharding"] == "P(('data', 'fsdp'), None)"

@@ -18,10 +18,10 @@ from train.losses import LossWeights, loss_from_sums, recipe_weights
 from train.optim import make_optimizer
 from train.step import (
     StepConfig,
-    TrainState,
     block_target_logits,
     eval_loss_fn,
     eval_sums_fn,
+    fresh_state,
     make_train_step,
     target_features,
 )
@@ -76,8 +76,7 @@ def setup_state(kind, target_params, train_overrides=None, seed=1):
     for key, value in (train_overrides or {}).items():
         setattr(train, key, value)
     optimizer, schedule = make_optimizer(train, params, drafter)
-    state = TrainState(jnp.int32(0), params, optimizer.init(params), jax.random.key_data(jax.random.key(0)))
-    return drafter, vocab, state, optimizer, schedule
+    return drafter, vocab, fresh_state(params, optimizer, 0), optimizer, schedule
 
 
 def test_long_packed_rows_equal_separate_documents(target_params):
@@ -211,7 +210,7 @@ def test_paper_recipes_build_their_step(name):
     train = recipe.train.copy_and_resolve_references()
     optimizer, schedule = make_optimizer(train, abstract_params, drafter)
     abstract_state = jax.eval_shape(
-        lambda p: TrainState(jnp.int32(0), p, optimizer.init(p), jax.random.key_data(jax.random.key(0))),
+        lambda p: fresh_state(p, optimizer, 0),
         abstract_params,
     )
     vocab = jax.eval_shape(

@@ -20,7 +20,7 @@ from hspec_jax import parallel
 from hspec_jax.models import init_params
 from train.losses import LossWeights
 from train.pipeline import BATCH_KEYS
-from train.step import StepConfig, TrainState, make_train_step
+from train.step import StepConfig, fresh_state, make_train_step
 
 assert jax.device_count() == 8, jax.devices()
 STEPS = 3
@@ -29,6 +29,12 @@ target_params = init_params(TARGET, jax.random.key(0))
 pairs = [[packed_batch(seed=10 * step + i, batch=2) for i in range(4)] for step in range(STEPS)]
 batches = [{k: np.concatenate([p[k] for p in step]) for k in BATCH_KEYS} for step in pairs]
 
+LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # one per program compiled (or loaded from a cache)
+lowered = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, _, fun_name="", **kw: lowered.append(event == LOWERED and fun_name == "jit(step)")
+)
+
 results = {}
 for spec in ("single", "data=2,fsdp=2,model=2"):
     drafter, vocab, state, optimizer, schedule = setup_state("hspec", target_params)
@@ -36,10 +42,13 @@ for spec in ("single", "data=2,fsdp=2,model=2"):
     tp = target_params
     if mesh is not None:
         params = parallel.shard_params(state.params, mesh, TARGET.head_dim, fsdp=True)
-        state = TrainState(state.step, params, jax.jit(optimizer.init)(params), state.rng)
+        state = fresh_state(params, optimizer, 0, mesh)
         tp = parallel.shard_params(target_params, mesh, TARGET.head_dim)
-    step = make_train_step(StepConfig(TARGET, drafter, LossWeights(), anchors_per_chunk=6), optimizer, schedule, mesh)
+    config = StepConfig(TARGET, drafter, LossWeights(), anchors_per_chunk=6)
+    shardings = None if mesh is None else jax.tree.map(lambda x: x.sharding, state)
+    step = make_train_step(config, optimizer, schedule, mesh, shardings)
     losses = []
+    lowered.clear()
     for batch in batches:
         if mesh is not None:
             batch = {k: jax.device_put(v, parallel.batch_sharding(mesh, v.shape)) for k, v in batch.items()}
@@ -49,6 +58,7 @@ for spec in ("single", "data=2,fsdp=2,model=2"):
         losses.append(float(metrics["loss"]))
     entry = {"losses": losses}
     if mesh is not None:
+        entry["step_programs"] = sum(lowered)  # one program for every step
         entry["fc_sharding"] = str(state.params["fc"]["kernel"].sharding.spec)
         entry["batch_sharding"] = str(batch["tokens"].sharding.spec)
     results[spec] = entry

@@ -48,7 +48,7 @@ from train.data import Source, exclude_held_out, load_conversations, load_mixtur
 from train.losses import loss_from_sums, recipe_weights
 from train.optim import make_optimizer
 from train.pipeline import BATCH_KEYS, make_train_iterator, sampled_token_counts
-from train.step import StepConfig, TrainState, eval_sums_fn, make_train_step
+from train.step import StepConfig, TrainState, eval_sums_fn, fresh_state, make_train_step
 from train.targets import load_target_and_tokenizer
 
 log = logging.getLogger(__name__)
@@ -280,21 +280,6 @@ def initial_params(run: Run, resuming: bool) -> dict:
         fresh = jax.jit(init_drafter, static_argnums=0)(run.drafter, key)
         params = init_from_target(fresh, run.drafter, run.target_params, run.vocab)
     return parallel.shard_params(params, run.mesh, run.target.head_dim, fsdp=True)
-
-
-def initial_state(run: Run, params: dict, optimizer) -> TrainState:
-    """A fresh train state on the mesh: `params` and the optimiser state, sharded like them, at step 0. The leaves
-    not placed on the mesh (the step, the optimiser's counts, the rng) are replicated on it, where the train step
-    returns them: left on one device, they would make the second step compile the program again."""
-    opt_state = jax.jit(optimizer.init)(params)
-    state = TrainState(jnp.int32(0), params, opt_state, jax.random.key_data(jax.random.key(run.config.train.seed)))
-    replicated = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec())
-
-    def on_mesh(x):
-        placed = isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == run.mesh
-        return x if placed else jax.device_put(x, replicated)
-
-    return jax.tree.map(on_mesh, state)
 
 
 def global_batch(mesh: jax.sharding.Mesh, local: dict) -> dict:
@@ -574,11 +559,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     resuming = manager.latest_step() is not None
     params = initial_params(run, resuming)
     optimizer, schedule = make_optimizer(tc, params, run.drafter)
-    state = initial_state(run, params, optimizer)
+    state = fresh_state(params, optimizer, run.config.train.seed, run.mesh)
     manager, state, start = restore_latest(workdir, manager, run, state)
     weights = recipe_weights(run.drafter.kind, tc.gamma, **tc.loss.to_dict())
     step_config = StepConfig(run.target, run.drafter, weights, tc.anchors_per_chunk)
-    step_fn = make_train_step(step_config, optimizer, schedule, run.mesh)
+    step_fn = make_train_step(step_config, optimizer, schedule, run.mesh, jax.tree.map(lambda x: x.sharding, state))
     evaluate = eval_sums_fn(step_config)
     metrics_log = MetricsLog(workdir, start)
     if jax.process_index() == 0:

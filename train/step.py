@@ -46,6 +46,22 @@ class TrainState(flax.struct.PyTreeNode):
     rng: jax.Array  # raw key data, advanced every step: the stream for any stochastic part of a step
 
 
+def fresh_state(params: dict, optimizer: optax.GradientTransformation, seed: int, mesh=None) -> TrainState:
+    """Step 0 of training `params` (placed as they will train) with `optimizer`. With a `mesh`, the leaves not
+    already on it (the step, the optimiser's counts, the rng) are replicated on it, where the train step returns
+    them: left on one device, they would make the second step compile the program again."""
+    state = TrainState(jnp.int32(0), params, jax.jit(optimizer.init)(params), jax.random.key_data(jax.random.key(seed)))
+    if mesh is None:
+        return state
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def on_mesh(x):
+        placed = isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh
+        return x if placed else jax.device_put(x, replicated)
+
+    return jax.tree.map(on_mesh, state)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     """The static settings of a step (hashable; part of the compiled program)."""
@@ -146,9 +162,14 @@ def _batch_place(mesh, x):
     return parallel.kv_sharding(mesh, x.shape) if x.ndim == 4 else parallel.batch_sharding(mesh, x.shape)
 
 
-def make_train_step(config: StepConfig, optimizer: optax.GradientTransformation, schedule=None, mesh=None):
+def make_train_step(
+    config: StepConfig, optimizer: optax.GradientTransformation, schedule=None, mesh=None, state_shardings=None
+):
     """A jitted `(state, target_params, vocab, batch) -> (state, metrics)`; the state is donated. With a `mesh`,
-    the target's features are constrained to the batch sharding (rows over data x fsdp)."""
+    the target's features are constrained to the batch sharding (rows over data x fsdp). `state_shardings` (a
+    TrainState of shardings: where the state comes in) pins where the new state goes out. Left to the compiler,
+    the parameters and optimiser moments could come back in another layout than the one they were given, and
+    the second step would compile the program again for it (it did on a data=2,fsdp=2,model=2 mesh)."""
 
     def step(state: TrainState, target_params, vocab, batch):
         features = target_features(target_params, config, batch["tokens"], batch["positions"])
@@ -164,6 +185,8 @@ def make_train_step(config: StepConfig, optimizer: optax.GradientTransformation,
             metrics["learning_rate"] = schedule(state.step)
         rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
+        if state_shardings is not None:
+            new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
         return new_state, metrics
 
     return jax.jit(step, donate_argnums=(0,))
