@@ -52,8 +52,8 @@ FREE = jnp.array([1.0, 1.0, 1.0, 1.0, 1.0])  # an accelerator at small batch: dr
 # The engine compiles one verification per choice; the engine tests below give it three (a plain step, a short and
 # the full draft), which take every path of the loop at two thirds of the compilation of the default five.
 ENGINE = AdaptivePolicy(choices=(0, 2, 7))
-ENGINE_CPU_LIKE = jnp.array([1.0, 1.45, 2.2])
-ENGINE_FREE = jnp.ones(3)
+ENGINE_ROWS = jnp.array([POLICY.choices.index(c) for c in ENGINE.choices])  # the same costs for those choices
+ENGINE_CPU_LIKE, ENGINE_FREE = CPU_LIKE[ENGINE_ROWS], FREE[ENGINE_ROWS]
 
 
 def test_choices_and_expected_yield():
