@@ -18,7 +18,7 @@ import jax
 
 from benchmarks.common import write_report
 from benchmarks.drafter_forward import time_step
-from hspec_jax.drafters import init_drafter
+from hspec_jax.drafters import drafter_param_shapes
 from hspec_jax.machine import cpu_model
 from hspec_jax.recipes import drafter_from_recipe, load_config
 
@@ -26,7 +26,7 @@ from hspec_jax.recipes import drafter_from_recipe, load_config
 def parameter_count(recipe) -> int:
     """Parameters of the recipe's drafter (shapes only, nothing allocated)."""
     config = drafter_from_recipe(recipe)
-    shapes = jax.eval_shape(lambda: init_drafter(config, jax.random.key(0)))
+    shapes = drafter_param_shapes(config)
     return sum(leaf.size for leaf in jax.tree.leaves(shapes))
 
 

@@ -82,7 +82,7 @@ from hspec_jax.decoding.limits import (
 )
 from hspec_jax.decoding.policy import AdaptivePolicy
 from hspec_jax.drafter_spec import DEFAULT_RECIPES, RANDOM, drafter_config, load_drafter
-from hspec_jax.drafters import DRAFTER_KINDS, init_drafter
+from hspec_jax.drafters import DRAFTER_KINDS, drafter_param_shapes
 from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.errors import InputError
 from hspec_jax.recipes import load_config
@@ -204,7 +204,7 @@ def plan(args) -> Request:
     check_cache_length(capacity, longest, args.max_new_tokens, lookahead)
     extra = {}
     if drafter is not None:
-        weights = jax.eval_shape(lambda: init_drafter(drafter, jax.random.key(0)))
+        weights = drafter_param_shapes(drafter)
         extra["drafter"] = tree_bytes((weights, jax.eval_shape(lambda: drafter_context(drafter, len(ids), capacity))))
     devices = list(parallel.make_mesh(args.mesh).devices.flat)
     check_memory(memory_needed(target, len(ids), capacity, longest, extra), devices)

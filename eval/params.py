@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import sys
 
-import jax
-
 from hspec_jax.cli import ArgumentParser, run
-from hspec_jax.drafters import init_drafter
+from hspec_jax.drafters import drafter_param_shapes
 from hspec_jax.drafters.family import compared_kinds
 from hspec_jax.drafters.params import count_by_component
 from hspec_jax.recipes import drafter_from_recipe, load_config, target_config
@@ -27,7 +25,7 @@ def parameter_table(recipe) -> tuple[list[str], dict[str, int]]:
     counts = {}
     for kind in KINDS:
         drafter = drafter_from_recipe(recipe, kind, target)
-        shapes = jax.eval_shape(lambda d=drafter: init_drafter(d, jax.random.key(0)))
+        shapes = drafter_param_shapes(drafter)
         counts[kind] = count_by_component(shapes, drafter)
     components = list(dict.fromkeys(c for kind in KINDS for c in counts[kind]))
     fmt = lambda n: f"{n:,}" if n else "-"

@@ -20,7 +20,8 @@ from hspec_jax.checkpoints import (
     save_target,
 )
 from hspec_jax.checkpoints.gguf import load_gguf_target, read_gguf
-from hspec_jax.models import forward, init_cache
+from hspec_jax.models import forward, init_cache, init_params, param_shapes
+from hspec_jax.recipes import load_config, target_config
 
 TOKENS = np.array([[4, 8, 15, 16, 23, 42, 2, 61, 33, 9, 70, 5]])
 
@@ -158,6 +159,17 @@ def test_a_gguf_file_is_parsed_once_per_process_until_it_changes(tmp_path):
     reloaded = load_gguf_target(str(path))[1]
     assert not np.array_equal(first["norm"]["scale"], reloaded["norm"]["scale"])
     np.testing.assert_array_equal(reloaded["norm"]["scale"], other.model.norm.weight.detach().numpy())
+
+
+def test_param_shapes_are_the_initialised_shapes_and_a_fresh_dict_each_call():
+    """What strict loading checks against: `init_params`' shapes and dtypes, traced once per config; a caller that
+    edits the returned dict does not change the next caller's."""
+    config = target_config(load_config("tiny"))
+    params = init_params(config, jax.random.key(0))
+    shapes = param_shapes(config)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == jax.tree.map(lambda x: (x.shape, x.dtype), params)
+    del shapes["norm"]
+    assert "norm" in param_shapes(config)
 
 
 # ----- strict loading: clear errors naming the problem ---------------------------------------------------------

@@ -23,6 +23,7 @@ from hspec_jax.drafters import (
     DraftOutput,
     draft_blocks,
     drafter_config,
+    drafter_param_shapes,
     init_drafter,
     init_from_target,
     register_family,
@@ -96,7 +97,7 @@ def test_a_family_registered_outside_the_library_works_end_to_end(toy):
     assert out.logits.shape == (2, 3, config.block_size, config.vocab_size)
     assert np.isfinite(np.asarray(out.logits)).all()
 
-    counts = count_by_component(jax.eval_shape(lambda: init_drafter(config, jax.random.key(0))), config)
+    counts = count_by_component(drafter_param_shapes(config), config)
     d = TARGET.hidden_size
     assert counts["block projection"] == {"trainable": d * d, "frozen": 0}
     assert counts["draft lm_head"] == {"trainable": 0, "frozen": config.vocab_size * d}
@@ -110,7 +111,7 @@ def test_a_family_registered_outside_the_library_works_end_to_end(toy):
 
 def test_a_parameter_without_a_component_is_an_error_naming_it(toy):
     config = drafter_config("toy", TARGET, **recipe_fields())
-    shapes = jax.eval_shape(lambda: init_drafter(config, jax.random.key(0)))
+    shapes = drafter_param_shapes(config)
     shapes["extra"] = shapes["norm"]
     with pytest.raises(KeyError, match="'extra' of the 'toy' drafter family"):
         count_by_component(shapes, config)

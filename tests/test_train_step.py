@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hspec_jax.drafters import init_drafter, init_from_target
+from hspec_jax.drafters import drafter_param_shapes, init_drafter, init_from_target
 from hspec_jax.drafters.params import trainable_mask
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.models import forward, init_cache, init_params
@@ -206,7 +206,7 @@ def test_paper_recipes_build_their_step(name):
     drafter = drafter_from_recipe(recipe, "hspec", target)
     length, anchors = 256, 16
     abstract_target = jax.eval_shape(lambda: init_params(target, jax.random.key(0)))
-    abstract_params = jax.eval_shape(lambda: init_drafter(drafter, jax.random.key(0)))
+    abstract_params = drafter_param_shapes(drafter)
     train = recipe.train.copy_and_resolve_references()
     optimizer, schedule = make_optimizer(train, abstract_params, drafter)
     abstract_state = jax.eval_shape(

@@ -28,9 +28,9 @@ from hspec_jax.checkpoints.speculators import (
     speculators_drafter_config,
 )
 from hspec_jax.cli import ArgumentParser, float_dtype, run
-from hspec_jax.drafters.api import init_drafter
+from hspec_jax.drafters.api import drafter_param_shapes
 from hspec_jax.drafters.config import WINDOW_MODES, check_target
-from hspec_jax.models import init_params
+from hspec_jax.models import param_shapes
 
 FORMATS = ("orbax", "hf", "speculators", "drafter")
 
@@ -85,7 +85,7 @@ def export_drafter(f) -> int:
             check_target(config, target)
         except ValueError as e:
             raise CheckpointError(f"{f.source}: {e}") from None
-    shapes = jax.eval_shape(lambda: init_drafter(config, jax.random.key(0)))
+    shapes = drafter_param_shapes(config)
     embed = target.vocab_size * target.hidden_size * 4 if target else 0
     check_output_directory(f.to, needed_bytes=embed + sum(x.size * 4 for x in jax.tree.leaves(shapes)))
     target_params = load_target(f.target)[1] if f.target else None
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {"param_dtype": f.dtype} if f.dtype else {}
     check_output_directory(f.to)
     config = read_target_config(f.source, **overrides)
-    shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    shapes = param_shapes(config)
     check_output_directory(f.to, needed_bytes=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
     config, params = load_target(f.source, **overrides)
     try:

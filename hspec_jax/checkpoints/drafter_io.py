@@ -37,7 +37,7 @@ from hspec_jax.checkpoints.hf import (
     write_state_dict,
 )
 from hspec_jax.checkpoints.orbax_io import read_manifest
-from hspec_jax.drafters.api import init_drafter
+from hspec_jax.drafters.api import drafter_param_shapes
 from hspec_jax.drafters.config import DrafterConfig, check_target
 from hspec_jax.drafters.family import drafter_family, family_of
 from hspec_jax.drafters.vocab import DraftVocab, draft_rows, vocab_from_ids
@@ -224,7 +224,7 @@ def restore_drafter(
                 "weights"
             )
         given["lm_head"] = target_lm_head(target_params, config, vocab)
-    expected = jax.eval_shape(lambda: init_drafter(config, jax.random.key(0)))
+    expected = drafter_param_shapes(config)
     params = restore_params(directory, expected, given)
     check_finite(params, directory)
     return config, params, vocab

@@ -24,7 +24,7 @@ import safetensors.numpy
 
 from hspec_jax.errors import InputError, is_no_space
 from hspec_jax.models.config import TargetConfig
-from hspec_jax.models.decoder import init_params
+from hspec_jax.models.decoder import param_shapes
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -119,7 +119,7 @@ def params_from_state_dict(
     """Strictly convert an HF-named state dict to our nested param dict of device arrays (`param_dtype`)."""
     table = key_table if key_table is not None else target_key_table(config)
     if expected is None:
-        expected = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+        expected = param_shapes(config)
     params: dict = {}
     missing = [name for name in table if name not in state]
     if missing:

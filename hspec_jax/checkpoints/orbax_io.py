@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 
 from hspec_jax.checkpoints.hf import CheckpointError, check_finite, read_json, staged_directory, target_config_from_hf
 from hspec_jax.models.config import TargetConfig
-from hspec_jax.models.decoder import init_params
+from hspec_jax.models.decoder import param_shapes
 
 MANIFEST = "hspec_target.json"
 FORMAT = "hspec-jax-target"
@@ -45,7 +45,7 @@ def restore_target(directory: str, **config_overrides) -> tuple[TargetConfig, di
     """(config, params) from a directory written by `save_target`."""
     directory = os.path.abspath(directory)
     config = orbax_target_config(directory, **config_overrides)
-    expected = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    expected = param_shapes(config)
     params = restore_pytree(os.path.join(directory, "params"), expected)
     check_finite(params, directory)
     return config, params

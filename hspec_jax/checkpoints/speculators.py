@@ -39,7 +39,7 @@ from hspec_jax.checkpoints.hf import (
     staged_directory,
     write_state_dict,
 )
-from hspec_jax.drafters.api import init_drafter
+from hspec_jax.drafters.api import drafter_param_shapes
 from hspec_jax.drafters.config import DFlashConfig, DrafterConfig, HSpecConfig, check_target
 from hspec_jax.drafters.family import family_of
 from hspec_jax.drafters.mamba2 import MambaConfig
@@ -577,7 +577,7 @@ def import_speculators(
     config = dataclasses.replace(config, mask_embedding=row is not None)
     if (vocab.size, vocab.t2d.shape[0]) != (config.vocab_size, target.vocab_size):
         raise CheckpointError(f"{directory}: d2t/t2d describe {vocab.size} of {vocab.t2d.shape[0]} tokens")
-    expected = jax.eval_shape(lambda: init_drafter(config, jax.random.key(0)))
+    expected = drafter_param_shapes(config)
     params: dict = {}
     for leaf_path, want in _leaves(expected):
         if leaf_path == ("mask_embedding",):

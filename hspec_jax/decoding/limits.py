@@ -13,7 +13,7 @@ import jax
 
 from hspec_jax.errors import InputError
 from hspec_jax.models.config import TargetConfig
-from hspec_jax.models.decoder import init_params
+from hspec_jax.models.decoder import param_shapes
 from hspec_jax.models.kv_cache import init_cache
 
 GIB = 1024**3
@@ -57,7 +57,7 @@ def memory_needed(
 ) -> dict[str, int]:
     """Bytes by part: target weights, KV cache, prefill activations (the largest of a layer's intermediates
     for the whole prompt), plus `extra` parts (e.g. a drafter's weights and cache)."""
-    weights = tree_bytes(jax.eval_shape(lambda: init_params(config, jax.random.key(0))))
+    weights = tree_bytes(param_shapes(config))
     cache = tree_bytes(jax.eval_shape(lambda: init_cache(config, batch, capacity)))
     per_token = 4 * config.hidden_size + 2 * (config.num_heads + config.num_kv_heads) * config.head_dim
     per_token += 3 * config.intermediate_size

@@ -2,7 +2,14 @@
 
 # The built-in families register their kinds on import, H-Spec first: tables list kinds in registration order.
 from hspec_jax.drafters import hspec  # noqa: F401
-from hspec_jax.drafters.api import draft_block, draft_blocks, drafter_module, init_drafter, init_from_target
+from hspec_jax.drafters.api import (
+    draft_block,
+    draft_blocks,
+    drafter_module,
+    drafter_param_shapes,
+    init_drafter,
+    init_from_target,
+)
 from hspec_jax.drafters.config import PAPER_BLOCK_PATTERN, DFlashConfig, DrafterConfig, HSpecConfig, drafter_config
 from hspec_jax.drafters.dflash import DFlash, empty_context
 from hspec_jax.drafters.family import (
@@ -40,6 +47,7 @@ __all__ = [
     "drafter_config",
     "drafter_kind",
     "drafter_module",
+    "drafter_param_shapes",
     "empty_context",
     "full_vocab",
     "init_drafter",

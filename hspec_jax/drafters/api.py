@@ -5,10 +5,12 @@
     out = draft_block(params, config, embedding, block_tokens, anchors, target_cache=cache, seed_hidden=h)
     out = draft_blocks(params, config, DraftInputs(...))     # A blocks per sequence: training and inference
 
-`jax.eval_shape(lambda: init_drafter(config, rng))` gives every parameter's shape without allocating.
+`drafter_param_shapes(config)` gives every parameter's shape without allocating.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +60,17 @@ def init_drafter(config: DrafterConfig, rng: jax.Array) -> dict:
     if config.mask_embedding:
         params["mask_embedding"] = jnp.zeros((config.target.hidden_size,), config.storage_dtype)
     return params
+
+
+def drafter_param_shapes(config: DrafterConfig) -> dict:
+    """Every parameter's `jax.ShapeDtypeStruct`, nested as `init_drafter` nests them, without allocating (traced
+    once per config; a fresh dict each call)."""
+    return jax.tree.map(lambda x: x, _drafter_param_shapes(config))
+
+
+@functools.lru_cache(maxsize=16)
+def _drafter_param_shapes(config: DrafterConfig) -> dict:
+    return jax.eval_shape(lambda: init_drafter(config, jax.random.key(0)))
 
 
 def block_embeddings(params: dict, config: DrafterConfig, embedding: jax.Array, block_tokens: jax.Array) -> jax.Array:

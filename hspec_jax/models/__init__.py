@@ -8,6 +8,7 @@ from hspec_jax.models.decoder import (
     forward,
     init_params,
     lm_head_matrix,
+    param_shapes,
 )
 from hspec_jax.models.kv_cache import KVCache, check_capacity, commit, init_cache
 
@@ -25,4 +26,5 @@ __all__ = [
     "init_cache",
     "init_params",
     "lm_head_matrix",
+    "param_shapes",
 ]
