@@ -15,6 +15,7 @@ import pytest
 from eval import serving as eval_serving
 from hspec_jax.cli import run
 from hspec_jax.decoding import Bundle, generate, pad_batch
+from hspec_jax.decoding import costs as cost_model
 from hspec_jax.decoding.policy import AdaptivePolicy
 from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.vocab import build_draft_vocab
@@ -234,14 +235,23 @@ def test_load_generator_sends_every_request(arrival, target_params, prompts, alo
 
 
 def test_eval_serving_on_the_tiny_random_target(tmp_path):
-    """A short sweep: plain decoding and H-Spec, two slots, under a KV budget; the report and its plots."""
+    """A short sweep: plain decoding and H-Spec, two slots, under a KV budget; the report and its plots. Auto's
+    step costs come from the cost cache, here a fixed table for the policy's choices at two slots (measuring them
+    on the loop is tests/test_adaptive.py's and tests/test_eval.py's)."""
     out = tmp_path / "serving"
     argv = ["--target", "random:tiny", "--drafter", "random:hspec", "--k", "auto,7", "--tasks", "qa"]
     argv += ["--requests", "3", "--concurrency", "2", "--max-new-tokens", "8", "--memory-budget", "200KiB"]
     argv += ["--compile-cache", ""]
+    asked = []
+
+    def cached_costs(shape, choices, measure):
+        asked.append((shape["batch"], choices))
+        return np.linspace(1.0, 2.0, len(choices), dtype=np.float32)
+
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # auto's step costs, measured once
+        patch.setattr(cost_model, "step_costs", cached_costs)
         assert eval_serving.main([*argv, "--out", str(out)]) == 0
+    assert asked == [(2, AdaptivePolicy.for_drafts(7).choices)]
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     methods = ["plain", "random:hspec k=auto", "random:hspec k=7"]
     assert [(r["method"], r["slots"]) for r in rows] == [(m, 2) for m in methods]
