@@ -207,7 +207,9 @@ def test_auto_is_lossless_and_a_random_drafter_decodes_plainly(kind, target_para
     assert chosen[0] >= 0.8 * chosen.sum(), chosen  # under CPU-like costs: mostly plain steps
     # The next generation starts from what this one learnt: it no longer trusts the drafter at first.
     assert float(spec.prior.acceptance[0]) < 0.3
+    programs = spec_prefill._cache_size()
     again = generate_auto(target_params, params, config, vocab, prompts, ENGINE_CPU_LIKE, prior=spec.prior, **kw)
+    assert spec_prefill._cache_size() == programs  # a learnt prior runs the program the first one compiled
     np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(ar.tokens))
     drafted = lambda gen: int(np.asarray(gen.stats.chosen)[:, 1:].sum())
     # Fewer drafting steps, unless the first generation drafted no more than one probe per sequence anyway.

@@ -48,6 +48,7 @@ from hspec_jax.decoding.policy import (
     AdaptivePolicy,
     PolicyState,
     Prior,
+    first_prior,
     idled,
     init_policy,
     observe,
@@ -579,7 +580,7 @@ def adaptive_costs(
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
 
     def prefill(step_costs):
-        return spec_prefill(bundle, prompts, lengths, *fresh_caches(), rng, step_costs, **kw)
+        return spec_prefill(bundle, prompts, lengths, *fresh_caches(), rng, step_costs, first_prior(policy), **kw)
 
     def chunk(carry, steps):
         return spec_decode_chunk(bundle, *carry, steps, **kw)
@@ -631,7 +632,8 @@ def speculative_generate(
         return place.kv(init_caches(bundle, prompts.shape[0], capacity))
 
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
-    if policy is not None and costs is None:
-        costs = adaptive_costs(bundle, prompts, lengths, fresh_caches, capacity, rng, **kw)
+    if policy is not None:
+        costs = adaptive_costs(bundle, prompts, lengths, fresh_caches, capacity, rng, **kw) if costs is None else costs
+        prior = first_prior(policy) if prior is None else prior  # a learnt prior passed later: the same program
     state, cache, context = spec_prefill(bundle, prompts, lengths, *fresh_caches(), rng, costs, prior, **kw)
     return spec_decode(bundle, state, cache, context, **kw)
