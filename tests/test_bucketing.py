@@ -35,7 +35,6 @@ def target_params():
     return init_params(TARGET, jax.random.key(0))
 
 
-# Same settings as the batch-1 runs of test_speculative.py, so the suite compiles these programs only once.
 KW = dict(max_new_tokens=30, eos_ids=(2,))
 
 

@@ -270,7 +270,8 @@ def test_clear_errors(target_params, prompts):
 
 @pytest.fixture(scope="module")
 def smollm2_reference(smollm2, smollm2_tokenizer):
-    """Three chat prompts as a ragged batch and the target's own greedy outputs for it."""
+    """Three chat prompts as a ragged batch and the target's own greedy outputs for it (each row equals its prompt
+    decoded alone: tests/test_decoding.py, on a tiny target)."""
     from hspec_jax.chat import chat_prompt_ids
 
     target, target_params = smollm2
@@ -279,21 +280,8 @@ def smollm2_reference(smollm2, smollm2_tokenizer):
     kw = dict(max_new_tokens=24, eos_ids=target.eos_token_ids, pad_id=target.pad_token_id)
     tokens, lengths = (jnp.asarray(x) for x in pad_batch(prompts, target.pad_token_id))
     ar = generate(target_params, target, tokens, lengths, **kw)
+    assert "7 times 6" in smollm2_tokenizer.decode(np.asarray(ar.tokens[2][: ar.num_tokens[2]]))
     return prompts, kw, (tokens, lengths, ar)
-
-
-@pytest.mark.slow
-def test_ragged_batch_on_smollm2_equals_its_padded_prompt_alone(smollm2, smollm2_tokenizer, smollm2_reference):
-    """Plain decoding of the ragged batch: its shortest prompt, padded there, gives the tokens it gives alone (any
-    row alone: tests/test_decoding.py on a tiny target)."""
-    target, target_params = smollm2
-    prompts, kw, (_, _, batch) = smollm2_reference
-    i = min(range(len(prompts)), key=lambda i: len(prompts[i]))
-    assert len(prompts[i]) < max(map(len, prompts))
-    alone = generate(target_params, target, jnp.asarray([prompts[i]]), jnp.asarray([len(prompts[i])]), **kw)
-    assert int(alone.num_tokens[0]) == int(batch.num_tokens[i])
-    np.testing.assert_array_equal(np.asarray(batch.tokens[i]), np.asarray(alone.tokens[0]))
-    assert "7 times 6" in smollm2_tokenizer.decode(np.asarray(batch.tokens[2][: batch.num_tokens[2]]))
 
 
 @pytest.mark.slow
