@@ -19,10 +19,11 @@ import sys
 from collections.abc import Callable
 
 from hspec_jax.errors import InputError, is_no_space
+from hspec_jax.user_cache import user_cache_dir
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 # Where the tools keep compiled XLA programs between runs (a rerun loads them instead of compiling again).
-DEFAULT_COMPILE_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hspec_jax", "xla")
+DEFAULT_COMPILE_CACHE = str(user_cache_dir("xla"))
 EXIT_INTERRUPTED = 130
 MAX_K = 15  # the most drafted tokens per step `--k` takes
 AUTO = "auto"  # --k auto: the adaptive draft length

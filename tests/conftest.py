@@ -102,11 +102,19 @@ def pytest_configure(config):
     (pytest-xdist workers inherit it from the controller) and the command lines they start load a program
     compiled once instead of compiling it again (after `free_compiled_programs`, in another worker, or in a
     subprocess). Multi-process jobs must not use it (see `tests/test_train_main.py`). A directory set in the
-    environment by the caller is used as is and kept."""
-    if not hasattr(config, "workerinput") and COMPILE_CACHE not in os.environ:
-        config.hspec_owned_cache = os.environ[COMPILE_CACHE] = tempfile.mkdtemp(prefix="hspec-test-xla-")
-        # Every program, however quick to compile: a warm `train.main` run on `tiny` takes 18 s instead of 26.
-        os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    environment by the caller is used as is and kept.
+
+    And always one fresh user cache (`hspec_jax.user_cache`: measured step costs, the tokenizer converted from
+    SmolLM2's GGUF file): built once in the run and shared by its processes, never read from or left in the
+    caller's cache directory."""
+    if not hasattr(config, "workerinput"):
+        config.hspec_owned_dirs = [tempfile.mkdtemp(prefix="hspec-test-cache-")]
+        os.environ["XDG_CACHE_HOME"] = config.hspec_owned_dirs[0]
+        if COMPILE_CACHE not in os.environ:
+            config.hspec_owned_dirs.append(tempfile.mkdtemp(prefix="hspec-test-xla-"))
+            os.environ[COMPILE_CACHE] = config.hspec_owned_dirs[-1]
+            # Every program, however quick to compile: a warm `train.main` run on `tiny` takes 18 s instead of 26.
+            os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     jax.config.update("jax_compilation_cache_dir", os.environ[COMPILE_CACHE])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
@@ -139,8 +147,7 @@ def pytest_xdist_node_collection_finished(node, ids):
 
 
 def pytest_unconfigure(config):
-    owned = getattr(config, "hspec_owned_cache", None)
-    if owned:
+    for owned in getattr(config, "hspec_owned_dirs", ()):
         shutil.rmtree(owned, ignore_errors=True)
 
 
@@ -178,11 +185,14 @@ def smollm2_hf():
     return model.eval()
 
 
+CHAT_PROMPT = "Write a short poem about the sea, then explain its meaning."
+
+
 @pytest.fixture(scope="session")
 def chat_prompt(smollm2_tokenizer):
     from hspec_jax.chat import chat_prompt_ids
 
-    return chat_prompt_ids(smollm2_tokenizer, "Write a short poem about the sea, then explain its meaning.")
+    return chat_prompt_ids(smollm2_tokenizer, CHAT_PROMPT)
 
 
 def hf_logits(model, ids, **kwargs):

@@ -5,9 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import hf_logits
+from conftest import CHAT_PROMPT, hf_logits
 
-from hspec_jax.checkpoints import load_tokenizer
+from hspec_jax.chat import chat_prompt_ids
+from hspec_jax.checkpoints import load_tokenizer, resolve
+from hspec_jax.checkpoints.gguf import file_stamp
+from hspec_jax.checkpoints.sources import _gguf_tokenizer
 from hspec_jax.decoding import generate
 from hspec_jax.models import forward, init_cache
 
@@ -56,6 +59,25 @@ def test_smollm2_long_prompt_matches_transformers(smollm2, smollm2_hf):
     with torch.no_grad():
         theirs = smollm2_hf(torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(np.asarray(ours)[0, ::50], theirs[0, ::50], atol=2e-3)
+
+
+def test_the_gguf_tokenizer_saved_in_the_user_cache_is_the_one_built_from_the_file(
+    smollm2_tokenizer, chat_prompt, tmp_path, monkeypatch
+):
+    """The first process builds the tokenizer from the GGUF file and saves it in the user cache; the next one reads
+    it from there: the same vocabulary, special tokens, chat template and encoding."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    stamp = file_stamp(resolve("smollm2"))
+    built = _gguf_tokenizer.__wrapped__(*stamp)
+    (saved,) = (tmp_path / "hspec_jax" / "tokenizers").iterdir()
+    read = _gguf_tokenizer.__wrapped__(*stamp)
+    assert read.name_or_path == str(saved) and built.name_or_path != str(saved)
+    for tokenizer in (built, read):
+        assert tokenizer.get_vocab() == smollm2_tokenizer.get_vocab()
+        assert tokenizer.chat_template == smollm2_tokenizer.chat_template
+        assert tokenizer.all_special_tokens == smollm2_tokenizer.all_special_tokens
+        assert chat_prompt_ids(tokenizer, CHAT_PROMPT) == chat_prompt
+        assert tokenizer.decode(chat_prompt) == smollm2_tokenizer.decode(chat_prompt)
 
 
 def test_the_gguf_tokenizer_is_built_once_and_handed_out_as_copies(smollm2_tokenizer):

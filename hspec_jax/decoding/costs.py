@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from hspec_jax.machine import cpu_model
+from hspec_jax.user_cache import user_cache_dir
 
 
 def machine() -> str:
@@ -29,15 +30,10 @@ def machine() -> str:
     return f"cpu:{cpu_model()}:{os.cpu_count()}"
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "hspec_jax" / "costs"
-
-
 def cache_path(shape: dict) -> Path:
     """The JSON file for this machine and `shape` (plain JSON-able values naming target, drafter, batch, ...)."""
     key = json.dumps({"machine": machine(), **shape}, sort_keys=True)
-    return cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    return user_cache_dir("costs") / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 
 def engine_shape(target, drafter, sampling, batch: int, capacity: int) -> dict:
