@@ -1,5 +1,6 @@
 """The embedded real model (SmolLM2-135M-Instruct, GGUF Q4_1 dequantized) against transformers."""
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +10,7 @@ from conftest import CHAT_PROMPT, hf_logits
 
 from hspec_jax.chat import chat_prompt_ids
 from hspec_jax.checkpoints import load_tokenizer, resolve
-from hspec_jax.checkpoints.gguf import file_stamp
+from hspec_jax.checkpoints.gguf import file_stamp, parse_gguf
 from hspec_jax.checkpoints.sources import _gguf_tokenizer
 from hspec_jax.decoding import generate
 from hspec_jax.models import forward, init_cache
@@ -22,6 +23,27 @@ def test_config_read_from_gguf(smollm2):
     assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (30, 576, 9, 3)
     assert (config.head_dim, config.intermediate_size, config.vocab_size) == (64, 1536, 49152)
     assert config.rope_theta == 100000.0 and config.tie_word_embeddings and config.model_type == "llama"
+
+
+def test_our_gguf_parser_reads_what_the_gguf_package_reads():
+    """`parse_gguf` (a `struct` read of the header, ~10x faster) gives the gguf package's reader's metadata and
+    the same memory-mapped tensor bytes, quantized or not, for the embedded file."""
+    path = resolve("smollm2")
+    ours, theirs = parse_gguf(path), gguf.GGUFReader(path)
+    fields = {key: field.contents() for key, field in theirs.fields.items() if not key.startswith("GGUF.")}
+    assert list(ours.metadata) == list(fields)
+    for key, value in fields.items():
+        np.testing.assert_array_equal(ours.metadata[key], value, err_msg=key)
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    assert {t.tensor_type for t in ours.tensors} == {
+        gguf.GGMLQuantizationType.F32,
+        gguf.GGMLQuantizationType.Q4_1,
+        gguf.GGMLQuantizationType.Q8_0,
+    }
+    for mine, reference in zip(ours.tensors, theirs.tensors, strict=True):
+        assert mine.shape == tuple(int(d) for d in reference.shape) and mine.tensor_type == reference.tensor_type
+        assert mine.data.dtype == reference.data.dtype
+        np.testing.assert_array_equal(mine.data, reference.data)
 
 
 def test_chat_prompt_logits_match_transformers(smollm2, smollm2_hf, chat_prompt):
