@@ -162,14 +162,18 @@ def test_a_gguf_file_is_parsed_once_per_process_until_it_changes(tmp_path):
 
 
 def test_param_shapes_are_the_initialised_shapes_and_a_fresh_dict_each_call():
-    """What strict loading checks against: `init_params`' shapes and dtypes, traced once per config; a caller that
-    edits the returned dict does not change the next caller's."""
+    """What strict loading checks against: `init_params`' shapes and dtypes (one layer traced, its shapes repeated;
+    sliding-window layers too), computed once per config; a caller that edits the returned dict does not change
+    the next caller's."""
     config = target_config(load_config("tiny"))
-    params = init_params(config, jax.random.key(0))
-    shapes = param_shapes(config)
-    assert jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == jax.tree.map(lambda x: (x.shape, x.dtype), params)
+    layer_types = ("full_attention",) + ("sliding_attention",) * (config.num_layers - 1)
+    windowed = config.replace(layer_types=layer_types, sliding_window=8)
+    for cfg in (config, windowed):
+        params = init_params(cfg, jax.random.key(0))
+        shapes = param_shapes(cfg)
+        assert jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == jax.tree.map(lambda x: (x.shape, x.dtype), params)
     del shapes["norm"]
-    assert "norm" in param_shapes(config)
+    assert "norm" in param_shapes(windowed)
 
 
 # ----- strict loading: clear errors naming the problem ---------------------------------------------------------

@@ -20,7 +20,7 @@ FORBIDDEN = {
 # The layers of `hspec_jax`, lowest first: a module may import its own layer and the ones below, never one above.
 # Each name is a subpackage or a top-level module of `hspec_jax`.
 LAYERS = (
-    ("errors", "machine", "parallel", "prompts"),  # no model code: errors, machine facts, meshes, prompt sets
+    ("errors", "machine", "parallel", "prompts", "user_cache"),  # no model code; the user cache directory
     ("cli", "chat"),  # argument types and exit codes; chat-template encoding
     ("models",),  # target LMs, KV cache
     ("kernels",),  # Pallas kernels beside their references

@@ -225,13 +225,18 @@ def init_params(config: TargetConfig, rng: jax.Array) -> dict:
 
 def param_shapes(config: TargetConfig) -> dict:
     """Every parameter's `jax.ShapeDtypeStruct`, nested as `init_params` nests them, without allocating: what a
-    checkpoint is checked against. Traced once per config (SmolLM2's 30 layers take ~1.5 s); a fresh dict each call."""
+    checkpoint is checked against. Computed once per config; a fresh dict each call."""
     return jax.tree.map(lambda x: x, _param_shapes(config))
 
 
 @functools.lru_cache(maxsize=16)
 def _param_shapes(config: TargetConfig) -> dict:
-    return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    """Every decoder layer has the same parameters (a sliding window changes none), so one layer is traced and its
+    shapes repeated: SmolLM2's in 0.1 s instead of 1.5 s for all 30."""
+    one = config.replace(num_layers=1, layer_types=config.layer_types[:1])
+    shapes = jax.eval_shape(lambda: init_params(one, jax.random.key(0)))
+    layer = shapes.pop("layers_0")
+    return {**shapes, **{f"layers_{i}": layer for i in range(config.num_layers)}}
 
 
 def embedding_matrix(params: dict) -> jax.Array:
