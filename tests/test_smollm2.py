@@ -88,14 +88,18 @@ def test_the_gguf_tokenizer_saved_in_the_user_cache_is_the_one_built_from_the_fi
     smollm2_tokenizer, chat_prompt, tmp_path, monkeypatch
 ):
     """The first process builds the tokenizer from the GGUF file and saves it in the user cache; the next one reads
-    it from there: the same vocabulary, special tokens, chat template and encoding."""
+    it from there: the same vocabulary, special tokens, chat template and encoding. A cached copy that no longer
+    loads is built again and replaced."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     stamp = file_stamp(resolve("smollm2"))
     built = _gguf_tokenizer.__wrapped__(*stamp)
     (saved,) = (tmp_path / "hspec_jax" / "tokenizers").iterdir()
     read = _gguf_tokenizer.__wrapped__(*stamp)
     assert read.name_or_path == str(saved) and built.name_or_path != str(saved)
-    for tokenizer in (built, read):
+    (saved / "tokenizer.json").write_text("{")  # damaged
+    rebuilt = _gguf_tokenizer.__wrapped__(*stamp)
+    assert rebuilt.name_or_path != str(saved) and _gguf_tokenizer.__wrapped__(*stamp).name_or_path == str(saved)
+    for tokenizer in (built, read, rebuilt):
         assert tokenizer.get_vocab() == smollm2_tokenizer.get_vocab()
         assert tokenizer.chat_template == smollm2_tokenizer.chat_template
         assert tokenizer.all_special_tokens == smollm2_tokenizer.all_special_tokens

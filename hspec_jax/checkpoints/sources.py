@@ -90,13 +90,17 @@ def load_tokenizer(spec: str):
 @functools.lru_cache(maxsize=2)
 def _gguf_tokenizer(path: str, *stamp: int):
     """The tokenizer of the GGUF file with this `file_stamp`: from the user cache when an earlier process saved it
-    (keyed by the stamp and the transformers version that built it), else built from the file and saved there."""
+    (keyed by the stamp and the transformers version that built it), else built from the file and saved there (a
+    cached copy that no longer loads is replaced)."""
     import transformers
 
     key = json.dumps([path, *stamp, transformers.__version__])
     saved = user_cache_dir("tokenizers") / hashlib.sha256(key.encode()).hexdigest()[:20]
     if saved.is_dir():
-        return _tokenizer(path, str(saved))
+        try:
+            return _tokenizer(path, str(saved))
+        except CheckpointError:
+            shutil.rmtree(saved, ignore_errors=True)
     tokenizer = _tokenizer(path, os.path.dirname(path), gguf_file=os.path.basename(path))
     try:
         saved.parent.mkdir(parents=True, exist_ok=True)
