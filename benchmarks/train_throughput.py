@@ -32,7 +32,7 @@ from hspec_jax.machine import cpu_model
 from hspec_jax.recipes import drafter_from_recipe, load_config
 from train.losses import recipe_weights
 from train.optim import make_optimizer
-from train.step import StepConfig, TrainState, make_train_step, target_features
+from train.step import StepConfig, fresh_state, make_train_step, target_features
 
 KINDS = compared_kinds()
 
@@ -80,7 +80,7 @@ def measure(recipe, kind, target, target_params, batch, steps):
     params = init_from_target(init_drafter(drafter, jax.random.key(0)), drafter, target_params, vocab)
     train = recipe.train.copy_and_resolve_references()
     optimizer, schedule = make_optimizer(train, params, drafter)
-    state = TrainState(jnp.int32(0), params, optimizer.init(params), jax.random.key_data(jax.random.key(0)))
+    state = fresh_state(params, optimizer, seed=0)
     weights = recipe_weights(kind, train.gamma)
     step_config = StepConfig(target, drafter, weights, train.anchors_per_chunk)
     step = make_train_step(step_config, optimizer, schedule)
