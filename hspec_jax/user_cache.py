@@ -1,6 +1,7 @@
 """The per-user cache directory, `$XDG_CACHE_HOME/hspec_jax/` (default `~/.cache/hspec_jax/`): what is slow to
-compute and safe to reuse across processes (measured step costs, tokenizers converted from GGUF files). Every
-entry is keyed by everything it depends on, so a stale one is never read; deleting the directory is always safe."""
+compute and safe to reuse across processes (measured step costs, tokenizers converted from GGUF files, the
+command-line tools' compiled XLA programs). Every entry is keyed by everything it depends on, so a stale one is
+never read; deleting the directory is always safe."""
 
 from __future__ import annotations
 
