@@ -337,22 +337,6 @@ def test_compare_runs_skips_a_line_cut_by_a_kill_and_names_a_bad_one(tmp_path):
         read_metrics(str(tmp_path))
 
 
-def test_tensorboard_groups_training_and_held_out_scalars():
-    from train.loop import scalar_tag
-
-    names = ["loss", "acc_1", "sim_accept_len", "tokens_per_s", "tau", "accept_3", "heldout_acc_1"]
-    assert [scalar_tag(n) for n in [*names, "heldout_sim_accept_len"]] == [
-        "train/loss",
-        "train/acc_1",
-        "train/sim_accept_len",
-        "train/tokens_per_s",
-        "eval/tau",
-        "eval/accept_3",
-        "eval/heldout_acc_1",
-        "eval/heldout_sim_accept_len",
-    ]
-
-
 def test_a_work_directory_from_before_recipe_json_is_checked_against_its_exported_recipe(tmp_path):
     from train.checks import check_resume
 

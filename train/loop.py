@@ -50,6 +50,7 @@ from train.optim import make_optimizer
 from train.pipeline import BATCH_KEYS, make_train_iterator, sampled_token_counts
 from train.step import StepConfig, TrainState, eval_sums_fn, fresh_state, make_train_step
 from train.targets import load_target_and_tokenizer
+from train.tensorboard import EventWriter
 
 log = logging.getLogger(__name__)
 
@@ -404,22 +405,18 @@ class MetricsLog:
         with open(partial, "w") as f:
             f.writelines(kept)
         os.replace(partial, self.path)
-        from tensorboardX import SummaryWriter
-
-        self.writer = SummaryWriter(workdir)
+        self.events = EventWriter(workdir)
 
     def write(self, step: int, values: dict) -> None:
         if not self.active:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
-        for name, value in values.items():
-            self.writer.add_scalar(scalar_tag(name), value, step)
-        self.writer.flush()
+        self.events.scalars(step, {scalar_tag(name): value for name, value in values.items()})
 
     def close(self) -> None:
         if self.active:
-            self.writer.close()
+            self.events.close()
 
 
 def checkpoint_manager(workdir: str, keep: int) -> ocp.CheckpointManager:

@@ -1,0 +1,61 @@
+"""What `train.main` logs for TensorBoard: scalars grouped as `train/` and `eval/`, in event files that
+TensorBoard's own protocol buffers (tensorboardX's copies) read back, checksums included."""
+
+import os
+import struct
+
+import pytest
+from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.record_writer import masked_crc32c
+
+from train.loop import MetricsLog, scalar_tag
+from train.tensorboard import crc32c
+
+
+def read_events(path):
+    """Every Event of a TFRecord file, each record's two checksums checked."""
+    events = []
+    with open(path, "rb") as f:
+        data = f.read()
+    while data:
+        header, data = data[:12], data[12:]
+        (length,) = struct.unpack("<Q", header[:8])
+        assert struct.unpack("<I", header[8:])[0] == masked_crc32c(header[:8])
+        body, crc, data = data[:length], data[length : length + 4], data[length + 4 :]
+        assert struct.unpack("<I", crc)[0] == masked_crc32c(body)
+        events.append(Event.FromString(body))
+    return events
+
+
+def test_tensorboard_groups_training_and_held_out_scalars():
+    names = ["loss", "acc_1", "sim_accept_len", "tokens_per_s", "tau", "accept_3", "heldout_acc_1"]
+    assert [scalar_tag(n) for n in [*names, "heldout_sim_accept_len"]] == [
+        "train/loss",
+        "train/acc_1",
+        "train/sim_accept_len",
+        "train/tokens_per_s",
+        "eval/tau",
+        "eval/accept_3",
+        "eval/heldout_acc_1",
+        "eval/heldout_sim_accept_len",
+    ]
+
+
+def test_crc32c_check_value():
+    assert crc32c(b"123456789") == 0xE3069283  # the published check value of CRC-32C
+    assert crc32c(b"") == 0
+
+
+def test_event_files_read_back_with_each_step_s_scalars(tmp_path):
+    log = MetricsLog(str(tmp_path), resume_step=0)
+    log.write(0, {"tau": 1.5, "heldout_acc_1": 0.25})
+    log.write(300, {"loss": 2.0, "acc_1": 0.125, "tokens_per_s": 1e5})
+    log.close()
+    (name,) = [n for n in os.listdir(tmp_path) if n.startswith("events.out.tfevents.")]
+    first, *steps = read_events(tmp_path / name)
+    assert first.file_version == "brain.Event:2" and first.wall_time > 0
+    assert [e.step for e in steps] == [0, 300]
+    assert [{v.tag: v.simple_value for v in e.summary.value} for e in steps] == [
+        {"eval/tau": 1.5, "eval/heldout_acc_1": 0.25},
+        {"train/loss": 2.0, "train/acc_1": 0.125, "train/tokens_per_s": pytest.approx(1e5)},
+    ]
