@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny random HF checkpoints (Llama with llama3 RoPE scaling, Qwen3, Qwen2) and the
-embedded SmolLM2 target (loaded once per session, in JAX and in transformers)."""
+"""Shared fixtures: tiny random HF checkpoints (Llama with llama3 RoPE scaling, Qwen3, Qwen2), the
+embedded SmolLM2 target (loaded once per session, in JAX and in transformers), and `train.main` runs forked from a
+warm interpreter."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from forked_main import TrainMain
 
 from hspec_jax.checkpoints import load_target, load_tokenizer, resolve
 
@@ -160,6 +162,14 @@ def free_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(scope="session")
+def train_driver(tmp_path_factory):
+    """Runs `python -m train.main` command lines as forked children of a warm interpreter (tests/forked_main.py)."""
+    driver = TrainMain(dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu"), str(tmp_path_factory.mktemp("runs")))
+    yield driver
+    driver.close()
 
 
 @pytest.fixture(scope="session")

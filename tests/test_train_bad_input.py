@@ -31,56 +31,19 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
 CHAT = {"messages": [{"role": "user", "content": "Add 2 and 3."}, {"role": "assistant", "content": "5."}]}
 
 
-# `python -m train.main`, run by a warm interpreter: every command line is a forked child that runs the module as
-# `__main__` (`runpy`, as `python -m` does), so each costs a fork instead of a fresh interpreter importing JAX,
-# Orbax and Grain (about 4 s of CPU each; these tests start 25 command lines). The parent imports what train.main
-# imports but never the module itself (its flags are defined once, by the child) and never starts a JAX backend.
-DRIVER = """
-import json, os, runpy, signal, sys
-import absl.app, ml_collections.config_flags, hspec_jax.cli, train.loop
-for line in sys.stdin:
-    args, err, timeout = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        signal.alarm(timeout)
-        with open(err, "w") as f:
-            os.dup2(f.fileno(), 2)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-        sys.argv = ["train.main", *args]
-        code = 0
-        try:
-            runpy.run_module("train.main", run_name="__main__", alter_sys=True)
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else int(e.code is not None)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
-"""
-
-
 @pytest.fixture(scope="module")
-def train_main(tmp_path_factory):
+def train_main(train_driver):
     """`train_main(workdir, *args, data=None, config=...)` runs `python -m train.main --config=... --workdir=...
     *args` (plus `--config.data.sources=data`) and returns (exit status, stderr lines)."""
-    driver = subprocess.Popen(
-        [sys.executable, "-c", DRIVER], cwd=ROOT, env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    errors = tmp_path_factory.mktemp("stderr")
 
     def run(workdir, *args, data=None, config="configs/tiny.py", timeout=120):
         args = [f"--config={config}", f"--workdir={workdir}", *args]
         if data is not None:
             args.append(f"--config.data.sources={data}")
-        err = errors / f"{len(os.listdir(errors))}.txt"
-        driver.stdin.write(json.dumps([args, str(err), timeout]) + "\n")
-        driver.stdin.flush()
-        status = int(driver.stdout.readline())
-        return status, err.read_text().strip().splitlines()
+        child = train_driver.run(args, timeout)
+        return child.status, child.stderr().strip().splitlines()
 
-    yield run
-    driver.stdin.close()
-    driver.wait(timeout=60)
+    return run
 
 
 def assert_one_error(status, lines, code, *parts):

@@ -53,10 +53,8 @@ def write_conversations(path, count=160):
 
 
 def command(workdir, data, *overrides):
+    """The arguments of `python -m train.main` on the tiny recipe."""
     return [
-        sys.executable,
-        "-m",
-        "train.main",
         "--config=configs/tiny.py",
         f"--workdir={workdir}",
         f"--config.data.sources={data}",
@@ -72,21 +70,12 @@ def command(workdir, data, *overrides):
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
 
 
-def run(cmd):
-    """Run to completion, capturing the output."""
-    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
-
-
-def run_ok(cmd) -> dict:
-    """Run to completion, require success, and return the JSON result it prints last."""
-    proc = run(cmd)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def start(cmd, env=ENV, **kw):
-    """Start in the background."""
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, **kw)
+def run_ok(train_driver, args) -> dict:
+    """Run to completion (forked: tests/forked_main.py), require success, and return the JSON result it prints
+    last."""
+    child = train_driver.run(args)
+    assert child.status == 0, child.stderr()[-3000:]
+    return json.loads(child.stdout().strip().splitlines()[-1])
 
 
 def losses(workdir):
@@ -107,7 +96,7 @@ TRAIN_COUNT = 160
 
 
 @pytest.fixture(scope="session")
-def straight(tmp_path_factory):
+def straight(tmp_path_factory, train_driver):
     """(data file, work directory, printed result, step overrides) of one uninterrupted 6-step run with a held-out
     file, the reference of the resume and multi-process tests (which run with the same step overrides). The
     held-out file repeats the first training conversation, so training must drop it. Session-scoped: a worker
@@ -116,7 +105,8 @@ def straight(tmp_path_factory):
     data = write_conversations(root / "chat.jsonl", TRAIN_COUNT)
     held_out = write_jsonl(root / "heldout.jsonl", [*conversations(12, seed=1, prefix="held"), conversations(1)[0]])
     steps = [*STEPS, f"--config.data.held_out={held_out}"]
-    result = run_ok(command(root / "straight", data, *steps, ONE_CHECKPOINT, f"--config.train.eval_every={NUM_STEPS}"))
+    args = command(root / "straight", data, *steps, ONE_CHECKPOINT, f"--config.train.eval_every={NUM_STEPS}")
+    result = run_ok(train_driver, args)
     return data, root / "straight", result, steps
 
 
@@ -149,7 +139,7 @@ def test_held_out_metrics_at_eval_steps_and_held_out_prompts_never_trained_on(st
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("processes")
-def test_trains_exports_and_resumes_exactly_after_kill(straight, tmp_path):
+def test_trains_exports_and_resumes_exactly_after_kill(straight, train_driver, tmp_path):
     """The run's loss falls and it exports its drafter, recipe, data fingerprint, vocabulary and TensorBoard
     events; fine-tuning the export starts from its weights and vocabulary; a run killed with SIGKILL after a
     checkpoint resumes from it to the losses of the uninterrupted run."""
@@ -171,7 +161,7 @@ def test_trains_exports_and_resumes_exactly_after_kill(straight, tmp_path):
     # same first batch) and keeps its draft vocabulary.
     tuned = tmp_path / "tuned"
     init = f"--config.train.init_from={straight / 'drafter'}"
-    run_ok(command(tuned, data, "--config.train.num_steps=1", "--config.train.eval_every=0", init))
+    run_ok(train_driver, command(tuned, data, "--config.train.num_steps=1", "--config.train.eval_every=0", init))
     assert losses(tuned)[0] < reference[0] - 0.5 * (reference[0] - reference[-1])
     with np.load(straight / "vocab.npz") as a, np.load(tuned / "vocab.npz") as b:
         np.testing.assert_array_equal(a["d2t"], b["d2t"])
@@ -179,14 +169,14 @@ def test_trains_exports_and_resumes_exactly_after_kill(straight, tmp_path):
 
     # The same run killed (SIGKILL) after its step-4 checkpoint, then started again with the same workdir.
     resumed = tmp_path / "resumed"
-    victim = start(command(resumed, data, *steps), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    victim = train_driver.start(command(resumed, data, *steps))
     deadline = time.time() + 600
     while not os.path.exists(resumed / "checkpoints" / "4") and time.time() < deadline:
         time.sleep(0.2)
-    victim.send_signal(signal.SIGKILL)
+    os.kill(victim.pid, signal.SIGKILL)
     assert victim.wait() == -signal.SIGKILL  # killed, not finished
     assert os.path.exists(resumed / "checkpoints" / "4") and not os.path.exists(resumed / "checkpoints" / "6")
-    assert run_ok(command(resumed, data, *steps))["resumed_from"] == 4
+    assert run_ok(train_driver, command(resumed, data, *steps))["resumed_from"] == 4
     np.testing.assert_allclose(losses(resumed), reference, rtol=1e-6)
 
 
@@ -206,21 +196,16 @@ def test_two_processes_train_like_one(straight, tmp_path):
     # Without the tests' compilation cache: a collective program loaded from it by the second process
     # disagrees with the first's (jax 0.10.2 on CPU: "sync_global_devices name mismatch").
     env = without_compile_cache(ENV)
+    distributed = ["--config.mesh=data=2", f"--coordinator=localhost:{port}", "--num_processes=2"]
+    args = [*command(tmp_path / "multi", data, *steps), *distributed]
     procs = [
-        start(
-            command(
-                tmp_path / "multi",
-                data,
-                *steps,
-                "--config.mesh=data=2",
-                f"--coordinator=localhost:{port}",
-                "--num_processes=2",
-                f"--process_id={i}",
-            ),
+        subprocess.Popen(
+            [sys.executable, "-m", "train.main", *args, f"--process_id={i}"],
+            cwd=ROOT,
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=env,
         )
         for i in range(2)
     ]
