@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import grain
@@ -26,8 +24,6 @@ from train.loop import checkpoint_manager, restore_latest
 from train.pipeline import make_train_iterator, sampled_token_counts, supervised_token_counts
 from train.tokenizers import char_tokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
 CHAT = {"messages": [{"role": "user", "content": "Add 2 and 3."}, {"role": "assistant", "content": "5."}]}
 
 
@@ -216,12 +212,9 @@ def test_the_draft_vocabulary_sample_draws_by_weight_and_can_count_everything():
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_training_says_where_and_exits_130(tmp_path):
+def test_ctrl_c_during_training_says_where_and_exits_130(train_driver, tmp_path):
     data = write_jsonl(tmp_path / "chats.jsonl", [json.dumps(CHAT)] * 40)
-    cmd = [
-        sys.executable,
-        "-m",
-        "train.main",
+    args = [
         "--config=configs/tiny.py",
         f"--workdir={tmp_path / 'run'}",
         f"--config.data.sources={data}",
@@ -235,14 +228,15 @@ def test_ctrl_c_during_training_says_where_and_exits_130(tmp_path):
         "--config.train.checkpoint_every=1",
         "--config.train.log_every=1",
     ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stderr=subprocess.PIPE, stdout=subprocess.PIPE)
+    child = train_driver.start(args, timeout=600)
     deadline = time.time() + 600
     while not (tmp_path / "run" / "checkpoints" / "2").exists() and time.time() < deadline:
         time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    last = err.decode().strip().replace("\r", "\n").splitlines()[-1]
-    assert proc.returncode == 130 and b"Traceback" not in err
+    os.kill(child.pid, signal.SIGINT)
+    assert child.wait() == 130
+    err = child.stderr()
+    last = err.strip().replace("\r", "\n").splitlines()[-1]
+    assert "Traceback" not in err
     assert last.startswith("interrupted: stopped after step ") and "last checkpoint: step " in last
     steps = sorted(int(s) for s in os.listdir(tmp_path / "run" / "checkpoints") if s.isdigit())
     assert f"last checkpoint: step {steps[-1]} " in last
