@@ -4,7 +4,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import decode_attention, drafter_ablation, drafter_recipes, matmul_rows, ngram_baseline, vocab_coverage
+from benchmarks import (
+    decode_attention,
+    drafter_ablation,
+    drafter_recipes,
+    matmul_rows,
+    ngram_baseline,
+    sampling_filters,
+    vocab_coverage,
+)
 from benchmarks.spec_overhead import KINDS, isolated_step_times
 from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.vocab import build_draft_vocab
@@ -34,6 +42,20 @@ def test_matmul_rows_reports_every_back_end(tmp_path):
     matmul_rows.main(["--chain", "2", "--repeats", "2", "--out", str(out)])
     table = [line for line in out.read_text().splitlines() if line.startswith("| ") and "µs" not in line]
     assert [row.split(" | ")[0] for row in table] == ["| XLA fp32", "| XLA bf16", "| PyTorch fp32"]
+    assert all(float(cell) > 0 for row in table for cell in row.strip(" |").split(" | ")[1:])
+
+
+def test_sampling_filters_times_each_filter_at_1_and_8_rows(tmp_path):
+    out = tmp_path / "sampling_filters.md"
+    sampling_filters.main(["--vocab", "1000", "--top-k", "5", "--repeats", "2", "--out", str(out)])
+    table = [line for line in out.read_text().splitlines() if line.startswith("| ") and " ms |" not in line]
+    assert [row.split(" | ")[0] for row in table] == [
+        "| top-5 threshold, XLA TopK",
+        "| top-5 threshold, `kth_largest`",
+        "| distribution, temperature 1",
+        "| distribution, temperature 1 + top-5",
+        "| distribution, temperature 1 + top-p 0.9",
+    ]
     assert all(float(cell) > 0 for row in table for cell in row.strip(" |").split(" | ")[1:])
 
 

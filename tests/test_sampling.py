@@ -8,6 +8,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from hspec_jax.decoding import SamplingConfig, probabilities, sample
+from hspec_jax.decoding.sampling import KTH_CHUNK, kth_largest
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 12, 0.6)])
@@ -24,6 +25,28 @@ def test_filtered_distribution_matches_transformers(temperature, top_k, top_p):
     np.testing.assert_allclose(got, expected, atol=1e-6)
     if top_k or top_p < 1:
         assert (got == 0).any()
+
+
+@pytest.mark.parametrize(
+    "shape,k,values",
+    [
+        ((2, 8, 49152), 50, "normal"),  # SmolLM2's vocabulary, a block of 8 positions
+        ((3, 49152), 1, "normal"),
+        ((4, 1003), 7, "ties"),  # not a multiple of the chunk; integer logits, many ties across chunks
+        ((4, 1003), 40, "ties"),
+        ((5, 300), 9, "masked"),  # -inf (already filtered) entries, fewer finite values per row than chunks
+        ((2, 8 * KTH_CHUNK + 1), 8, "normal"),  # the last chunk holds one value and padding
+    ],
+)
+def test_kth_largest_is_top_k_s_kth_value(shape, k, values):
+    rng = np.random.default_rng(k)
+    x = rng.normal(size=shape).astype(np.float32)
+    if values == "ties":
+        x = np.round(x * 2)
+    if values == "masked":
+        x[rng.random(shape) < 0.9] = -np.inf
+    expected = np.asarray(jax.lax.top_k(jnp.asarray(x), k)[0][..., -1:])
+    np.testing.assert_array_equal(np.asarray(jax.jit(kth_largest, static_argnums=1)(jnp.asarray(x), k)), expected)
 
 
 def test_greedy_is_one_hot_argmax():

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 
 NEG_INF = -jnp.inf
+# Values per chunk in `kth_largest`'s first pass (fastest of 16-256 on SmolLM2's 49,152 logits at k = 3 and 50).
+KTH_CHUNK = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,12 +38,27 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+def kth_largest(x: jax.Array, k: int) -> jax.Array:
+    """The k-th largest value `[..., 1]` of `x [..., V]`, exactly what `lax.top_k(x, k)[0][..., -1:]` gives, at a
+    fraction of its cost for a large V (XLA's CPU TopK: 68 ms for 8 x 49,152 logits at k = 50; this, 1.4 ms).
+    Every value among the k largest lies in a chunk whose maximum is among the k largest chunk maxima (ties
+    included), so top-k runs on V / KTH_CHUNK maxima, then on the k best chunks' k * KTH_CHUNK values."""
+    v = x.shape[-1]
+    n = -(-v // KTH_CHUNK)
+    if n <= k:
+        return jax.lax.top_k(x, k)[0][..., -1:]
+    padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n * KTH_CHUNK - v)], constant_values=NEG_INF)
+    chunks = padded.reshape(*x.shape[:-1], n, KTH_CHUNK)
+    best = jax.lax.top_k(chunks.max(-1), k)[1]
+    candidates = jnp.take_along_axis(chunks, best[..., None], axis=-2).reshape(*x.shape[:-1], k * KTH_CHUNK)
+    return jax.lax.top_k(candidates, k)[0][..., -1:]
+
+
 def filtered_logits(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
     """`[..., V]` fp32 logits / temperature, with tokens outside top-k / top-p set to -inf."""
     logits = logits.astype(jnp.float32) / sampling.temperature
     if sampling.top_k:
-        kth = jax.lax.top_k(logits, sampling.top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, NEG_INF, logits)
+        logits = jnp.where(logits < kth_largest(logits, sampling.top_k), NEG_INF, logits)
     if sampling.top_p < 1.0:
         sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
         sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
