@@ -8,7 +8,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from hspec_jax.decoding import SamplingConfig, probabilities, sample
-from hspec_jax.decoding.sampling import KTH_CHUNK, kth_largest
+from hspec_jax.decoding.sampling import KTH_CHUNK, kth_largest, top_p_cutoff
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 12, 0.6)])
@@ -47,6 +47,37 @@ def test_kth_largest_is_top_k_s_kth_value(shape, k, values):
         x[rng.random(shape) < 0.9] = -np.inf
     expected = np.asarray(jax.lax.top_k(jnp.asarray(x), k)[0][..., -1:])
     np.testing.assert_array_equal(np.asarray(jax.jit(kth_largest, static_argnums=1)(jnp.asarray(x), k)), expected)
+
+
+def sorted_top_p_cutoff(row: np.ndarray, top_p: float) -> float:
+    """The definition, by sorting (float64): the smallest kept logit, a token being kept while the mass of the
+    tokens before it in descending order is below top_p."""
+    ordered = np.sort(row.astype(np.float64))[::-1]
+    probs = np.exp(ordered - ordered[0])
+    probs /= probs.sum()
+    return ordered[np.cumsum(probs) - probs < top_p].min()
+
+
+@pytest.mark.parametrize(
+    "shape,top_p,values",
+    [
+        ((8, 49152), 0.9, "normal"),
+        ((6, 500), 0.3, "ties"),  # many tokens share a logit: kept or dropped together
+        ((6, 500), 0.97, "masked"),  # -inf (top-k filtered) entries
+        ((4, 50), 1e-4, "normal"),  # only the most likely token
+        ((4, 50), 0.999, "normal"),
+    ],
+)
+def test_top_p_cutoff_is_the_sorted_definition(shape, top_p, values):
+    rng = np.random.default_rng(int(top_p * 1000))
+    x = (rng.normal(size=shape) * 3).astype(np.float32)
+    if values == "ties":
+        x = np.round(x)
+    if values == "masked":
+        x[rng.random(shape) < 0.8] = -np.inf
+        x[:, 0] = 0.0
+    got = np.asarray(jax.jit(top_p_cutoff, static_argnums=1)(jnp.asarray(x), top_p))
+    np.testing.assert_array_equal(got[:, 0], [sorted_top_p_cutoff(row, top_p) for row in x])
 
 
 def test_greedy_is_one_hot_argmax():
