@@ -54,6 +54,8 @@ def test_sampling_filters_times_each_filter_at_1_and_8_rows(tmp_path):
         "| top-5 threshold, `kth_largest`",
         "| distribution, temperature 1",
         "| distribution, temperature 1 + top-5",
+        "| top-p 0.9 cutoff, sorting the vocabulary",
+        "| top-p 0.9 cutoff, `top_p_cutoff`",
         "| distribution, temperature 1 + top-p 0.9",
     ]
     assert all(float(cell) > 0 for row in table for cell in row.strip(" |").split(" | ")[1:])
