@@ -1,8 +1,7 @@
 """What the sampling filters cost per step on SmolLM2's vocabulary: the top-k threshold by XLA's TopK against
 `sampling.kth_largest` (the same value), and the whole sampled distribution (`sampling.probabilities`) at
 temperature 1 alone, with top-k, and with top-p (`sampling.top_p_cutoff`, against sorting the vocabulary as the
-definition does), at 1 row (a plain decoding step) and 8 rows (a
-verification of 7 drafts plus the bonus).
+definition does), at 1 row (a plain decoding step) and 8 rows (a verification of 7 drafts plus the bonus).
 
     python -m benchmarks.sampling_filters [--vocab 49152] [--top-k 50] [--repeats 20]
 
