@@ -1,7 +1,7 @@
 """`train.main` meets the inference tools' contract: every bad flag, recipe value, data file or work directory is
 one `error: ...` line naming it, exit 2 or 1, before anything is read, loaded or written; a work directory
-refuses a resume with another recipe; a damaged checkpoint is named and moved aside, never deleted; Ctrl-C
-says where it stopped and exits 130."""
+refuses a resume with another recipe; a damaged checkpoint is named and moved aside, never deleted; Ctrl-C or
+SIGTERM saves the step under way, says where it stopped and exits 130."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from hspec_jax.errors import InputError
 from hspec_jax.recipes import load_config
 from train.checks import recipe_differences, record_recipe
 from train.data import Conversation
-from train.loop import checkpoint_manager, restore_latest
+from train.loop import StopSignals, checkpoint_manager, restore_latest
 from train.pipeline import make_train_iterator, sampled_token_counts, supervised_token_counts
 from train.tokenizers import char_tokenizer
 
@@ -212,7 +212,9 @@ def test_the_draft_vocabulary_sample_draws_by_weight_and_can_count_everything():
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_training_says_where_and_exits_130(train_driver, tmp_path):
+def test_ctrl_c_during_training_saves_the_step_says_where_and_exits_130(train_driver, tmp_path):
+    """Ctrl-C finishes the step under way, saves it (although no checkpoint is due for 100,000 steps) with its
+    exported drafter, and says so; the same command resumes from that step."""
     data = write_jsonl(tmp_path / "chats.jsonl", [json.dumps(CHAT)] * 40)
     args = [
         "--config=configs/tiny.py",
@@ -224,22 +226,48 @@ def test_ctrl_c_during_training_says_where_and_exits_130(train_driver, tmp_path)
         "--config.data.seq_len=128",
         "--config.data.max_anchors=16",
         "--config.train.batch_size=2",
-        "--config.train.num_steps=100000",
-        "--config.train.checkpoint_every=1",
+        "--config.train.checkpoint_every=100000",
         "--config.train.log_every=1",
     ]
-    child = train_driver.start(args, timeout=600)
+    child = train_driver.start([*args, "--config.train.num_steps=100000"], timeout=600)
+    metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 600
-    while not (tmp_path / "run" / "checkpoints" / "2").exists() and time.time() < deadline:
-        time.sleep(0.5)
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.time() < deadline:
+        time.sleep(0.2)
     os.kill(child.pid, signal.SIGINT)
     assert child.wait() == 130
     err = child.stderr()
-    last = err.strip().replace("\r", "\n").splitlines()[-1]
-    assert "Traceback" not in err
-    assert last.startswith("interrupted: stopped after step ") and "last checkpoint: step " in last
-    steps = sorted(int(s) for s in os.listdir(tmp_path / "run" / "checkpoints") if s.isdigit())
-    assert f"last checkpoint: step {steps[-1]} " in last
+    lines = err.strip().replace("\r", "\n").splitlines()
+    assert "Traceback" not in err and "Ctrl-C: stopping after this step, saving it" in err
+    stopped = int(lines[-1].removeprefix("interrupted: stopped after step ").split()[0])
+    assert stopped >= 2 and lines[-1] == (
+        f"interrupted: stopped after step {stopped} of 100000; last checkpoint: step {stopped} in "
+        f"{tmp_path / 'run' / 'checkpoints'}; run the same command to resume"
+    )
+    assert sorted(int(s) for s in os.listdir(tmp_path / "run" / "checkpoints") if s.isdigit()) == [stopped]
+    assert json.loads((tmp_path / "run" / "drafter" / "training.json").read_text())["step"] == stopped
+    resumed = train_driver.run([*args, f"--config.train.num_steps={stopped + 1}"])
+    assert resumed.status == 0, resumed.stderr()[-3000:]
+    assert json.loads(resumed.stdout().strip().splitlines()[-1])["resumed_from"] == stopped
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_first_signal_asks_to_stop_after_the_step_and_a_second_stops_at_once(signum, capsys):
+    """One process: Ctrl-C and SIGTERM alike are noted, not raised, until a second one; the handlers are put back."""
+    before = signal.getsignal(signum)
+    stop = StopSignals()
+    try:
+        assert not stop.requested()
+        os.kill(os.getpid(), signum)
+        assert stop.requested()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signum)
+            time.sleep(5)  # the handler raises in this thread at once
+    finally:
+        stop.restore()
+    assert signal.getsignal(signum) is before
+    name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    assert f"{name}: stopping after this step, saving it (Ctrl-C again to stop at once)" in capsys.readouterr().err
 
 
 def test_eval_and_data_tools_refuse_bad_output_and_arguments_in_one_line(tmp_path, capsys):

@@ -188,31 +188,52 @@ def free_port():
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("processes")
-def test_two_processes_train_like_one(straight, tmp_path):
-    """Two processes (data=2, one device each) give the losses of the one-process run."""
+def test_two_processes_train_like_one_and_stop_together_on_sigterm(straight, tmp_path):
+    """Two processes (data=2, one device each) give the losses of the one-process run, also when a SIGTERM to one
+    of them (a scheduler's preemption notice) stops both after the same step, saved, and they are started again."""
     data, single, _, steps = straight
     steps = [*steps, ONE_CHECKPOINT, "--config.train.eval_every=0"]  # evaluating would change no loss
-    port = free_port()
-    # Without the tests' compilation cache: a collective program loaded from it by the second process
-    # disagrees with the first's (jax 0.10.2 on CPU: "sync_global_devices name mismatch").
-    env = without_compile_cache(ENV)
-    distributed = ["--config.mesh=data=2", f"--coordinator=localhost:{port}", "--num_processes=2"]
-    args = [*command(tmp_path / "multi", data, *steps), *distributed]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "train.main", *args, f"--process_id={i}"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
+    workdir = tmp_path / "multi"
+
+    def start_both():
+        port = free_port()
+        distributed = ["--config.mesh=data=2", f"--coordinator=localhost:{port}", "--num_processes=2"]
+        args = [*command(workdir, data, *steps), *distributed]
+        # Without the tests' compilation cache: a collective program loaded from it by the second process
+        # disagrees with the first's (jax 0.10.2 on CPU: "sync_global_devices name mismatch").
+        env = without_compile_cache(ENV)
+        return [
+            subprocess.Popen(
+                [sys.executable, "-m", "train.main", *args, f"--process_id={i}"],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(2)
+        ]
+
+    procs = start_both()
+    deadline = time.time() + 600
+    while not (workdir / "recipe.json").exists() and time.time() < deadline:  # both joined the job and its service
+        time.sleep(0.1)
+    procs[1].send_signal(signal.SIGTERM)
+    last_lines = []
     for p in procs:
         _, err = p.communicate(timeout=900)
+        assert p.returncode == 130, err[-3000:]
+        last_lines.append(err.strip().splitlines()[-1])
+    assert last_lines[0] == last_lines[1], last_lines  # the same step, saved by both
+    stopped = int(last_lines[0].removeprefix("interrupted: stopped after step ").split()[0])
+    assert 1 <= stopped < NUM_STEPS and f"last checkpoint: step {stopped} in" in last_lines[0]
+    outs = []
+    for p in start_both():
+        out, err = p.communicate(timeout=900)
         assert p.returncode == 0, err[-3000:]
-    np.testing.assert_allclose(losses(tmp_path / "multi"), losses(single), rtol=2e-5)
+        outs.append(out)
+    assert json.loads(outs[0].strip().splitlines()[-1])["resumed_from"] == stopped  # process 0 prints the result
+    np.testing.assert_allclose(losses(workdir), losses(single), rtol=2e-5)
 
 
 def test_fine_tuning_a_drafter_of_another_recipe_is_an_error_naming_the_field(tmp_path):

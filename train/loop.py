@@ -514,32 +514,63 @@ def restore_latest(workdir: str, manager: ocp.CheckpointManager, run: Run, state
     return manager, state, 0
 
 
-def stop_after_ctrl_c(steps):
-    """Yield `steps`, ending with a `KeyboardInterrupt` after the step during which Ctrl-C was pressed, so that no
-    checkpoint, export or metrics write is cut in the middle (an interrupt inside Orbax's writer left its threads
-    failing at exit); a second Ctrl-C stops at once. The usual handler is back when the loop ends."""
-    pressed = []
+def save_step(manager: ocp.CheckpointManager, run: Run, state: TrainState, step: int, metrics: dict) -> None:
+    """Checkpoint `step` (the training state and the data iterator's position; complete when this returns) and
+    export the drafter as of that step."""
+    manager.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(run.iterator)),
+    )
+    manager.wait_until_finished()
+    export_drafter(run, state.params, step, metrics)
 
-    def handle(signum, frame):
-        if pressed:
+
+class StopSignals:
+    """Ctrl-C (SIGINT) and SIGTERM (how a scheduler says a job is about to be preempted) ask training to stop after
+    the step under way; `requested()`, asked once after every step, says whether to save that step and stop there.
+    Stopping between steps keeps every checkpoint, export and metrics write whole (an interrupt inside Orbax's
+    writer left its threads failing at exit). One process: the first signal is noted, a second stops at once with a
+    `KeyboardInterrupt`. Many processes must all stop after the same step, so there the answer is JAX's preemption
+    sync point: a SIGTERM to any process reaches every process (JAX's own handler), which agree to stop after the
+    step that follows the furthest one's (counted from this run's start, so also when resuming or when the signal
+    came before the first step); a first Ctrl-C is handed on to it as a SIGTERM to its own process. The handlers
+    are installed when it is made; `restore` puts the previous ones back."""
+
+    def __init__(self):
+        self.many = jax.process_count() > 1
+        self.received: list[int] = []
+        self.steps = 0
+        signums = (signal.SIGINT,) if self.many else (signal.SIGINT, signal.SIGTERM)
+        self.previous = {signum: signal.signal(signum, self._handle) for signum in signums}
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.received:
             raise KeyboardInterrupt
-        pressed.append(signum)
-        print("\nstopping after this step (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+        self.received.append(signum)
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(
+            f"\n{name}: stopping after this step, saving it (Ctrl-C again to stop at once)", file=sys.stderr, flush=True
+        )
+        if self.many:
+            os.kill(os.getpid(), signal.SIGTERM)
 
-    previous = signal.signal(signal.SIGINT, handle)
-    try:
-        for step in steps:
-            yield step
-            if pressed:
-                raise KeyboardInterrupt
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    def requested(self) -> bool:
+        """Whether to save the step just taken and stop; in a job of many processes, asked after every step by each."""
+        self.steps += 1
+        if self.many:
+            return multihost_utils.reached_preemption_sync_point(self.steps)
+        return bool(self.received)
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """The whole job; returns the last logged metrics (and the last real tau when measured). Checks the recipe
-    before any work and the data before anything is written; a Ctrl-C stops it with a `KeyboardInterrupt` whose
-    message says where (the checkpoints are whole: each is written aside and renamed when complete)."""
+    before any work and the data before anything is written. A Ctrl-C or SIGTERM (`StopSignals`) saves the step under
+    way and stops it with a `KeyboardInterrupt` whose message says where (the checkpoints are whole: each is written
+    aside and renamed when complete)."""
     from tqdm import tqdm
 
     workdir = os.path.abspath(workdir)
@@ -570,10 +601,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         metrics_log.write(0, evaluation(run, evaluate, state.params, weights))  # the learning curve's origin
     last: dict = {}
     tokens_done, clock = 0, time.perf_counter()
-    done, bar = start, None
+    done, bar, stop = start, None, None
     try:
         bar = tqdm(total=tc.num_steps, initial=start, desc="train", disable=jax.process_index() != 0)
-        for step in stop_after_ctrl_c(range(start + 1, tc.num_steps + 1)):
+        stop = StopSignals()
+        for step in range(start + 1, tc.num_steps + 1):
             local = next(run.iterator)
             state, metrics = step_fn(state, run.target_params, run.vocab, global_batch(run.mesh, local))
             done = step
@@ -589,15 +621,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 metrics_log.write(step, last)
                 bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
             bar.update(1)
-            if step % tc.checkpoint_every == 0 or step == tc.num_steps:
-                manager.save(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(run.iterator)
-                    ),
-                )
-                manager.wait_until_finished()
-                export_drafter(run, state.params, step, last)
+            stopping = stop.requested()
+            if stopping or step % tc.checkpoint_every == 0 or step == tc.num_steps:
+                save_step(manager, run, state, step, last)
+            if stopping:
+                raise KeyboardInterrupt
     except KeyboardInterrupt:
         saved = manager.latest_step()
         where = f"step {saved} in {os.path.join(workdir, 'checkpoints')}" if saved is not None else "none yet"
@@ -605,6 +633,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
             f"stopped after step {done} of {tc.num_steps}; last checkpoint: {where}; run the same command to resume"
         ) from None
     finally:  # the writers' threads would keep an interrupted process alive
+        if stop is not None:
+            stop.restore()
         if bar is not None:
             bar.close()
         metrics_log.close()

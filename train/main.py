@@ -30,8 +30,9 @@ reads its own slice of each global batch, and process 0 writes the logs and the 
 
 Bad input is one line on stderr, before any data is read or weights loaded: `error: ...` naming the flag,
 the recipe field (`--config.train.batch_size`), the data file and line, or the checkpoint step; exit 2 for a
-malformed flag, 1 for bad input. Ctrl-C stops at once, says where and which checkpoint a rerun resumes from,
-and exits 130.
+malformed flag, 1 for bad input. Ctrl-C or SIGTERM (in any one process of a job of many) saves the step under
+way, says where it stopped and which checkpoint a rerun resumes from, and exits 130; a second Ctrl-C stops at
+once.
 """
 
 from __future__ import annotations
