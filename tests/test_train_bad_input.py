@@ -11,10 +11,12 @@ import signal
 import time
 
 import grain
+import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from jax.experimental import multihost_utils
 
 from hspec_jax.errors import InputError
 from hspec_jax.recipes import load_config
@@ -268,6 +270,37 @@ def test_a_first_signal_asks_to_stop_after_the_step_and_a_second_stops_at_once(s
     assert signal.getsignal(signum) is before
     name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
     assert f"{name}: stopping after this step, saving it (Ctrl-C again to stop at once)" in capsys.readouterr().err
+
+
+def test_many_processes_hand_a_ctrl_c_on_as_a_sigterm_and_stop_at_the_preemption_sync_point(monkeypatch, capsys):
+    """In a job of many processes, SIGTERM is left to JAX's preemption notifier (which tells every process); a first
+    Ctrl-C is handed to it as a SIGTERM to its own process, and whether to stop after a step is the sync point's
+    answer, for steps counted from this run's start. (The notifier and the sync point themselves: the two-process
+    test in tests/test_train_main.py.)"""
+    notified, asked = [], []
+
+    def notifier(signum, frame):  # stands in for the handler jax.distributed.initialize installs
+        notified.append(signum)
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(
+        multihost_utils, "reached_preemption_sync_point", lambda step: asked.append(step) or bool(notified)
+    )
+    previous = signal.signal(signal.SIGTERM, notifier)
+    try:
+        stop = StopSignals()
+        try:
+            assert signal.getsignal(signal.SIGTERM) is notifier
+            assert not stop.requested()
+            os.kill(os.getpid(), signal.SIGINT)
+            assert notified == [signal.SIGTERM]
+            assert stop.requested()
+            assert asked == [1, 2]
+        finally:
+            stop.restore()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert "Ctrl-C: stopping after this step, saving it" in capsys.readouterr().err
 
 
 def test_eval_and_data_tools_refuse_bad_output_and_arguments_in_one_line(tmp_path, capsys):

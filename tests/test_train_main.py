@@ -195,16 +195,16 @@ def test_two_processes_train_like_one_and_stop_together_on_sigterm(straight, tmp
     steps = [*steps, ONE_CHECKPOINT, "--config.train.eval_every=0"]  # evaluating would change no loss
     workdir = tmp_path / "multi"
 
-    def start_both():
-        port = free_port()
-        distributed = ["--config.mesh=data=2", f"--coordinator=localhost:{port}", "--num_processes=2"]
-        args = [*command(workdir, data, *steps), *distributed]
-        # Without the tests' compilation cache: a collective program loaded from it by the second process
-        # disagrees with the first's (jax 0.10.2 on CPU: "sync_global_devices name mismatch").
-        env = without_compile_cache(ENV)
+    args = [*command(workdir, data, *steps), "--config.mesh=data=2", "--num_processes=2"]
+    # Without the tests' compilation cache: a collective program loaded from it by the second process disagrees
+    # with the first's (jax 0.10.2 on CPU: "sync_global_devices name mismatch").
+    env = without_compile_cache(ENV)
+
+    def start_both():  # on a fresh port each time
+        coordinator = f"--coordinator=localhost:{free_port()}"
         return [
             subprocess.Popen(
-                [sys.executable, "-m", "train.main", *args, f"--process_id={i}"],
+                [sys.executable, "-m", "train.main", *args, coordinator, f"--process_id={i}"],
                 cwd=ROOT,
                 env=env,
                 stdout=subprocess.PIPE,

@@ -538,7 +538,7 @@ class StopSignals:
 
     def __init__(self):
         self.many = jax.process_count() > 1
-        self.received: list[int] = []
+        self.received = False
         self.steps = 0
         signums = (signal.SIGINT,) if self.many else (signal.SIGINT, signal.SIGTERM)
         self.previous = {signum: signal.signal(signum, self._handle) for signum in signums}
@@ -550,7 +550,7 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         if self.received:
             raise KeyboardInterrupt
-        self.received.append(signum)
+        self.received = True
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         print(
             f"\n{name}: stopping after this step, saving it (Ctrl-C again to stop at once)", file=sys.stderr, flush=True
@@ -563,7 +563,7 @@ class StopSignals:
         self.steps += 1
         if self.many:
             return multihost_utils.reached_preemption_sync_point(self.steps)
-        return bool(self.received)
+        return self.received
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
