@@ -60,6 +60,7 @@ from hspec_jax.decoding.policy import AdaptivePolicy
 from hspec_jax.drafter_spec import DEFAULT_RECIPES, drafter_config, load_drafter
 from hspec_jax.machine import machine_facts
 from hspec_jax.models import check_capacity, init_params
+from hspec_jax.models.layers import for_backend
 from hspec_jax.prompts import Prompt, load_prompts, parse_tasks
 from hspec_jax.recipes import load_config, target_config
 
@@ -190,6 +191,13 @@ class Evaluation:
 
     def __init__(self, target: Target, methods: list[Method], args: argparse.Namespace, results_file):
         self.target, self.methods, self.args, self.results = target, methods, args, results_file
+        # Each compilation places the params as the backend runs them (`for_backend`: new fused arrays on CPU);
+        # placing them once here lets every compiled (method, shape) share one copy of the weights.
+        self.target_params = for_backend(target.params)
+        self.drafter_params: dict[int, dict] = {}
+        for method in methods:
+            if method.drafter is not None and id(method.drafter[1]) not in self.drafter_params:
+                self.drafter_params[id(method.drafter[1])] = for_backend(method.drafter[1])
         self.sampling = SamplingConfig(temperature=args.temperature)
         self.lookahead = max(m.lookahead for m in methods)
         self.runners: dict[tuple, object] = {}
@@ -224,10 +232,12 @@ class Evaluation:
                 seed=self.args.seed,
             )
             if method.drafter is None:
-                self.runners[key] = compile_autoregressive(t.params, t.config, tokens, lengths, capacity, **kw)
+                self.runners[key] = compile_autoregressive(
+                    self.target_params, t.config, tokens, lengths, capacity, **kw
+                )
             else:
                 config, params, vocab = method.drafter
-                bundle = Bundle(t.params, t.config, params, config, vocab)
+                bundle = Bundle(self.target_params, t.config, self.drafter_params[id(params)], config, vocab)
                 self.runners[key] = compile_speculative(bundle, tokens, lengths, capacity, **kw, policy=method.policy)
             progress.set_postfix_str("")
         self.kv_peak[method.name] = max(self.kv_peak[method.name], tokens.shape[0] * capacity)

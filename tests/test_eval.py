@@ -1,11 +1,15 @@
 """The evaluation suite: prompt sets, chat formatting, paired bootstrap, report writer, and eval.main end to end."""
 
+import argparse
+import gc
 import itertools
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
+from tqdm import tqdm
 
 from eval import main as eval_main
 from eval import report as eval_report
@@ -193,6 +197,31 @@ def test_eval_main_runs_each_drafter_at_each_k(tmp_path, monkeypatch):
     assert "| random:hspec k=2 | 2 |" in text and "| random:hspec k=auto | auto |" in text
     assert "## Draft length chosen per step" in text and "| random:hspec k=auto | math |" in text
     assert "## Confidence head calibration" in text and (out / "calibration.png").stat().st_size > 0
+
+
+def test_compiled_programs_share_one_copy_of_the_weights():
+    """Every (method, shape) compiled by eval.main runs on the weights placed once: compiling more programs adds
+    no copy of them (on CPU each placement fuses q/k/v into new arrays; a copy per program took eval.main's k
+    sweep on SmolLM2 past 22 GB)."""
+    target = eval_main.load_eval_target("random:tiny", None, 0)
+    prompt_ids = [[5, 6, 7, 8]]
+    methods = eval_main.load_methods(target, ["random:hspec"], prompt_ids, ks=(2,))
+    args = argparse.Namespace(max_new_tokens=4, temperature=0.0, seed=0)
+    evaluation = eval_main.Evaluation(target, methods, args, None)
+    c = target.config
+    fused = (c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
+
+    def fused_copies():
+        gc.collect()
+        return sum(a.shape == fused for a in jax.live_arrays())
+
+    before = fused_copies()
+    assert before >= c.num_layers  # the placed target's own fused projections
+    for width, capacity in ((8, 16), (16, 32)):
+        tokens, lengths = np.full((1, width), 5, np.int32), np.array([4], np.int32)
+        for method in methods:
+            evaluation.runner(method, tokens, lengths, capacity, tqdm(disable=True))
+    assert len(evaluation.runners) == 4 and fused_copies() <= before
 
 
 def test_a_greedy_mismatch_names_the_prompt():

@@ -79,7 +79,8 @@ def fuse_projections(params: dict) -> dict:
     on the output axis. Attention and MLP modules detect the fused names and split the output, so the result is
     the unfused one (same products, one dot). On CPU, one dot over the concatenated weights is cheaper than
     several (benchmarks/results/spec_overhead_cpu.md); the engines fuse single-device CPU params (`for_backend`).
-    New arrays: the input tree is left as it is."""
+    New arrays: the input tree is left as it is; a tree fused already comes back with the same arrays (callers
+    that compile many programs fuse once and share one copy of the weights)."""
     out = {}
     for name, value in params.items():
         out[name] = fuse_projections(value) if isinstance(value, dict) else value
