@@ -82,13 +82,20 @@ def _draft_block(params, config, embedding, block, anchors, kw):
 @pytest.mark.parametrize("kind", DRAFTER_KINDS)
 def test_a_shorter_block_drafts_the_same_first_tokens_when_causal(kind, setup):
     """`with_drafts(2)` runs the same weights on a 3-slot block: the H-Spec kinds (causal inside the block) give
-    the first slots' logits of the full block exactly; the bidirectional DFlash family sees fewer masks."""
+    the first slots' logits of the full block within fp32 rounding, so the same drafted tokens; the bidirectional
+    DFlash family sees fewer masks, and its logits move by far more than rounding. (Bitwise equality across the
+    two shapes is not promised: XLA's CPU code may sum in another order for another shape or processor.)"""
     config, params = make_drafter(kind, setup)
     full, short = run(config, params, setup), run(config.with_drafts(2), params, setup)
     slots = short.logits.shape[1]
     assert slots == 3 - config.sample_from_anchor
-    same = np.array_equal(np.asarray(full.logits[:, :slots]), np.asarray(short.logits))
-    assert same == kind.startswith("hspec")
+    first, shorter = np.asarray(full.logits[:, :slots]), np.asarray(short.logits)
+    moved = np.abs(first - shorter).max() / np.abs(first).max()
+    if kind.startswith("hspec"):
+        assert moved < 1e-5
+        np.testing.assert_array_equal(first.argmax(-1), shorter.argmax(-1))
+    else:
+        assert moved > 1e-3
 
 
 @pytest.mark.parametrize("kind", DRAFTER_KINDS)
