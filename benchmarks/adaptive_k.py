@@ -27,7 +27,7 @@ import numpy as np
 from benchmarks.common import PROMPTS, write_report
 from hspec_jax.chat import chat_prompt_ids
 from hspec_jax.checkpoints import load_target, load_tokenizer
-from hspec_jax.cli import AUTO, DEFAULT_COMPILE_CACHE, parse_ks
+from hspec_jax.cli import AUTO, DEFAULT_COMPILE_CACHE, parse_ks, use_compile_cache
 from hspec_jax.decoding import Bundle, SamplingConfig, bucketed_shapes, pad_batch
 from hspec_jax.decoding.engine import (
     compile_autoregressive,
@@ -56,8 +56,7 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    jax.config.update("jax_compilation_cache_dir", DEFAULT_COMPILE_CACHE)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    use_compile_cache(DEFAULT_COMPILE_CACHE)
     drafters = args.drafter or DRAFTERS
     target, params = load_target("smollm2")
     tokenizer = load_tokenizer("smollm2")

@@ -51,6 +51,7 @@ from hspec_jax.chat import chat_prompt_ids
 from hspec_jax.checkpoints import load_target, load_tokenizer, read_target_config, resolve
 from hspec_jax.checkpoints.drafter_io import read_drafter_config, resolve_drafter, trained_drafters
 from hspec_jax.cli import (
+    DEFAULT_COMPILE_CACHE,
     EXIT_INTERRUPTED,
     MAX_K,
     ArgumentParser,
@@ -60,6 +61,7 @@ from hspec_jax.cli import (
     positive_int,
     probability,
     run,
+    use_compile_cache,
 )
 from hspec_jax.decoding import Bundle, SamplingConfig, pad_batch
 from hspec_jax.decoding.engine import (
@@ -128,6 +130,11 @@ def parse_args(argv: list[str] | None = None):
         "--compare",
         action="store_true",
         help="with --drafter: run plain decoding first, then check the text is the same and print the speedup",
+    )
+    parser.add_argument(
+        "--compile-cache",
+        default=DEFAULT_COMPILE_CACHE,
+        help=f"persistent XLA compilation cache directory, '' for none (default {DEFAULT_COMPILE_CACHE})",
     )
     parser.add_argument(
         "--no-chat",
@@ -360,6 +367,7 @@ def decode_rate(result: Result, batch: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_args(args)
+    use_compile_cache(args.compile_cache)
     with Interrupt() as interrupt:
         progress(f"reading {args.target} (config, tokenizer) ...")
         request = interrupt.wait_for(plan, args)

@@ -63,6 +63,7 @@ from hspec_jax.cli import (
     parse_ks,
     positive_int,
     run,
+    use_compile_cache,
 )
 from hspec_jax.decoding import Bundle, SamplingConfig, bucket, pad_batch
 from hspec_jax.decoding.bundle import init_caches
@@ -414,9 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         raise InputError(str(e)) from None
     max_prompt = args.max_prompt_tokens or max(len(p) for p in prompts)
     os.makedirs(args.out, exist_ok=True)
-    if args.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    use_compile_cache(args.compile_cache)
     rows = []
     with open(os.path.join(args.out, "results.jsonl"), "w") as results:
         for method in methods:

@@ -29,6 +29,17 @@ MAX_K = 15  # the most drafted tokens per step `--k` takes
 AUTO = "auto"  # --k auto: the adaptive draft length
 
 
+def use_compile_cache(directory: str | None) -> None:
+    """Keep this process's compiled XLA programs in `directory` (None or '' for none), so that the next run of
+    the same program reads it instead of compiling it again. Programs that took under a second to compile are
+    not kept. An explicit `JAX_COMPILATION_CACHE_DIR` in the environment wins."""
+    if directory and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def usage_error(prog: str, message: str) -> str:
     """The one line for a malformed argument (printed with exit status 2)."""
     return f"error: {message} (see {prog} --help)\n"

@@ -9,6 +9,12 @@ logical axis, found from their path in the param dict (`PARAM_RULES`):
     mlp    -> model         the SwiGLU intermediate width
     batch  -> data x fsdp   prompts, packed training rows, KV caches, per-sequence lengths
 
+The target's decoder layers are stacked on a leading layer axis (`layers/...`, `[L, ...]`), and so is its KV
+cache when the decoder scans (`[L, B, S, K, H]`): that axis is never sharded. Every device keeps its
+tensor-parallel shard of every layer, so a scanned step slices its own shard locally and the layer loop needs
+no collective beyond the ones tensor parallelism already has; splitting layers over devices would be pipeline
+parallelism, which a decoding step of a few tokens cannot keep busy.
+
 Parameters replicated on purpose (norms, output biases, Mamba mixers, fusion projections, heads' small
 layers) are named in `REPLICATED_PARAMS`; a parameter in neither table is an error naming its path, so a new
 parameter cannot silently end up replicated. With `fsdp=True` (`param_shardings`, the trained drafter) each
@@ -90,10 +96,16 @@ def _path(key_path) -> str:
     return "/".join(str(getattr(k, "key", k)) for k in key_path)
 
 
+STACKED_LAYERS = "layers/"  # the target's stacked layer tree: its leading layer axis stays unsharded
+
+
 def logical_axes(path: str, shape) -> tuple:
-    """The logical axis of each dimension of the parameter at `path` (e.g. 'layers_0/self_attn/q_proj/kernel')
-    of `shape`: from `PARAM_RULES`, or all None for `REPLICATED_PARAMS`. A parameter in neither, or whose rank
-    is not its rule's, is a ValueError naming it."""
+    """The logical axis of each dimension of the parameter at `path` (e.g. 'layers/self_attn/q_proj/kernel')
+    of `shape`: from `PARAM_RULES`, or all None for `REPLICATED_PARAMS`, after a leading unsharded layer axis for
+    the target's stacked layers. A parameter in neither, or whose rank is not its rule's, is a ValueError naming
+    it."""
+    if path.startswith(STACKED_LAYERS) and not path[len(STACKED_LAYERS)].isdigit():
+        return (None, *logical_axes(path[len(STACKED_LAYERS) :], shape[1:]))
     for pattern, axes in PARAM_RULES:
         if re.search(pattern, path):
             if len(axes) != len(shape):
@@ -154,8 +166,9 @@ def batch_sharding(mesh: Mesh, shape) -> NamedSharding:
 
 
 def kv_sharding(mesh: Mesh, shape) -> NamedSharding:
-    """A KV buffer `[B, S, K, H]`: batch on `data`, KV heads on `model`."""
-    return NamedSharding(mesh, spec_for(mesh, shape, ("batch", None, "heads", None)))
+    """A KV buffer `[B, S, K, H]` (or stacked `[L, B, S, K, H]`, the layer axis unsharded): batch on `data`, KV
+    heads on `model`."""
+    return NamedSharding(mesh, spec_for(mesh, shape, (None,) * (len(shape) - 4) + ("batch", None, "heads", None)))
 
 
 def shard_batch(mesh: Mesh, *arrays):
@@ -163,7 +176,8 @@ def shard_batch(mesh: Mesh, *arrays):
 
 
 def shard_kv(mesh: Mesh, tree):
-    """Place every `[B, S, K, H]` buffer of a cache pytree (KVCache, DFlash context) and its `[B]` lengths."""
+    """Place every `[B, S, K, H]` (or stacked `[L, B, S, K, H]`) buffer of a cache pytree (KVCache, DFlash
+    context) and its `[B]` lengths."""
     return jax.tree.map(
-        lambda x: jax.device_put(x, kv_sharding(mesh, x.shape) if x.ndim == 4 else batch_sharding(mesh, x.shape)), tree
+        lambda x: jax.device_put(x, kv_sharding(mesh, x.shape) if x.ndim >= 4 else batch_sharding(mesh, x.shape)), tree
     )

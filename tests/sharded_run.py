@@ -61,7 +61,7 @@ for spec, methods in MESH_METHODS.items():
             out[f"{kind}_cache_sharding"] = str(gen.cache.k[0].sharding.spec)
     if mesh is not None:
         placed = shard_params(params, mesh, target.head_dim)
-        out["q_proj_sharding"] = str(placed["layers_0"]["self_attn"]["q_proj"]["kernel"].sharding.spec)
+        out["q_proj_sharding"] = str(placed["layers"]["self_attn"]["q_proj"]["kernel"].sharding.spec)
         out["embedding_sharding"] = str(placed["embed_tokens"]["embedding"].sharding.spec)
     results[spec] = out
 print(json.dumps(results))

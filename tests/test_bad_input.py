@@ -212,12 +212,12 @@ def test_truncated_gguf_is_named(tmp_path, capsys):
 
 def test_non_finite_weights_are_refused(tiny_dir, tmp_path, capsys):
     config, weights = load_target(tiny_dir)
-    weights["layers_1"]["mlp"]["up_proj"]["kernel"] = (
-        weights["layers_1"]["mlp"]["up_proj"]["kernel"].at[3, 4].set(np.nan)
+    weights["layers"]["mlp"]["up_proj"]["kernel"] = (
+        weights["layers"]["mlp"]["up_proj"]["kernel"].at[1, 3, 4].set(np.nan)
     )
     export_hf_target(weights, config, str(tmp_path / "hf"))
     _, line = run_tool(convert.main, ["--from", str(tmp_path / "hf"), "--to", str(tmp_path / "out")], capsys)
-    bad = "['layers_1']['mlp']['up_proj']['kernel']"
+    bad = "['layers']['mlp']['up_proj']['kernel']"
     assert line == f"error: {tmp_path / 'hf'}: parameter {bad} holds NaN or Inf values (1 such array(s))"
     weights["norm"]["scale"] = weights["norm"]["scale"].at[0].set(np.inf)
     save_target(str(tmp_path / "orbax"), weights, config)

@@ -161,6 +161,35 @@ def test_a_gguf_file_is_parsed_once_per_process_until_it_changes(tmp_path):
     np.testing.assert_array_equal(reloaded["norm"]["scale"], other.model.norm.weight.detach().numpy())
 
 
+def test_dequantized_gguf_weights_are_kept_until_the_file_changes(tmp_path, monkeypatch):
+    """The first load dequantizes and stores the weights in the user cache; the next reads them back without
+    dequantizing; a file rewritten in place, another dtype, or a damaged entry is dequantized again."""
+    from hspec_jax.checkpoints import gguf as gguf_io
+
+    path, rope = tmp_path / "tiny.gguf", {"rope_type": "default", "rope_theta": 1e4}
+    _write_llama_gguf(tiny_hf_model("llama", rope_parameters=rope), path)
+    dequantized = []
+    real = gguf_io.state_dict_from_gguf
+    monkeypatch.setattr(gguf_io, "state_dict_from_gguf", lambda *a: dequantized.append(1) or real(*a))
+    config, first = load_gguf_target(str(path))
+    cached = gguf_io.dequantized_cache_path(str(path), config)
+    assert cached.is_file() and len(dequantized) == 1
+    _, again = load_gguf_target(str(path))
+    assert len(dequantized) == 1
+    jax.tree.map(np.testing.assert_array_equal, again, first)
+    load_gguf_target(str(path), param_dtype="bfloat16")
+    assert len(dequantized) == 2
+    cached.write_bytes(b"not safetensors")
+    jax.tree.map(np.testing.assert_array_equal, load_gguf_target(str(path))[1], first)
+    assert len(dequantized) == 3
+    other = tiny_hf_model("llama", seed=1, rope_parameters=rope)
+    path.unlink()
+    _write_llama_gguf(other, path)
+    reloaded = load_gguf_target(str(path))[1]
+    assert len(dequantized) == 4
+    np.testing.assert_array_equal(reloaded["norm"]["scale"], other.model.norm.weight.detach().numpy())
+
+
 def test_param_shapes_are_the_initialised_shapes_and_a_fresh_dict_each_call():
     """What strict loading checks against: `init_params`' shapes and dtypes (one layer traced, its shapes repeated;
     sliding-window layers too), computed once per config; a caller that edits the returned dict does not change

@@ -27,7 +27,7 @@ from hspec_jax.drafters.heads import markov_bias, markov_embed
 from hspec_jax.drafters.params import trainable_mask
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.models import commit, forward, init_cache, init_params
-from hspec_jax.models.decoder import AttentionProjections
+from hspec_jax.models.decoder import AttentionProjections, layer_params
 from hspec_jax.models.layers import rms_norm
 from hspec_jax.recipes import drafter_from_recipe, target_config
 
@@ -180,7 +180,7 @@ def test_init_copies_the_mapped_target_layers(setup):
     config, params = make_drafter("hspec", setup)
     attn_layers = [i for i, k in enumerate(config.block_pattern) if k == "attn"]
     for i, layer in zip(attn_layers, config.attn_kv_layer_ids, strict=True):
-        mine, theirs = params[f"layers_{i}"]["self_attn"], target_params[f"layers_{layer}"]["self_attn"]
+        mine, theirs = params[f"layers_{i}"]["self_attn"], layer_params(target_params, layer)["self_attn"]
         for key in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm"):
             jax.tree.map(np.testing.assert_array_equal, mine[key], theirs[key])
         assert not np.array_equal(mine["o_proj"]["kernel"], theirs["o_proj"]["kernel"])  # o_proj is not copied
@@ -197,7 +197,7 @@ def test_block_keys_continue_the_target_cache(setup):
     layer_name = f"layers_{config.block_pattern.index('attn')}"
     target_layer = config.attn_kv_layer_ids[0]
     out = forward(target_params, TARGET, tokens[:, :12], init_cache(TARGET, 2, 16), taps=(target_layer,))
-    scale = target_params[f"layers_{target_layer}"]["input_layernorm"]["scale"]
+    scale = layer_params(target_params, target_layer)["input_layernorm"]["scale"]
     x = rms_norm(out.hidden[0], scale, TARGET.rms_norm_eps)  # the input of the target layer's attention
     positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
     attn = params[layer_name]["self_attn"]

@@ -26,13 +26,13 @@ def test_fuse_projections_concatenates_and_leaves_the_input_alone():
     config = TARGET.replace(qkv_bias=True)
     params = init_params(config, jax.random.key(0))
     fused = fuse_projections(params)
-    attn, mlp = fused["layers_0"]["self_attn"], fused["layers_0"]["mlp"]
+    attn, mlp = fused["layers"]["self_attn"], fused["layers"]["mlp"]
     assert set(attn) - {"q_norm", "k_norm"} == {"qkv_proj", "o_proj"} and set(mlp) == {"gate_up_proj", "down_proj"}
-    source = params["layers_0"]["self_attn"]
-    expected = jnp.concatenate([source[p]["kernel"] for p in ("q_proj", "k_proj", "v_proj")], axis=1)
+    source = params["layers"]["self_attn"]  # stacked: [L, D, F] kernels
+    expected = jnp.concatenate([source[p]["kernel"] for p in ("q_proj", "k_proj", "v_proj")], axis=-1)
     assert jnp.array_equal(attn["qkv_proj"]["kernel"], expected)
-    assert attn["qkv_proj"]["bias"].shape == (expected.shape[1],)
-    assert "q_proj" in params["layers_0"]["self_attn"]  # the input tree is unchanged
+    assert attn["qkv_proj"]["bias"].shape == (config.num_layers, expected.shape[-1])
+    assert "q_proj" in params["layers"]["self_attn"]  # the input tree is unchanged
 
 
 @pytest.mark.parametrize("qkv_bias", [False, True])

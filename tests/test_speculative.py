@@ -96,10 +96,9 @@ def assert_follows(tokens, joint: dict) -> tuple[np.ndarray, np.ndarray]:
 def bigram_target(target_params, attention_scale):
     """Shrink every layer's contribution: the target becomes (almost, or with scale 0 exactly) a bigram model."""
     params = jax.tree.map(lambda x: x, target_params)
-    for i in range(TARGET.num_layers):
-        layer = params[f"layers_{i}"]
-        layer["self_attn"]["o_proj"]["kernel"] = layer["self_attn"]["o_proj"]["kernel"] * attention_scale
-        layer["mlp"]["down_proj"]["kernel"] = layer["mlp"]["down_proj"]["kernel"] * attention_scale
+    layers = params["layers"]  # every layer at once: stacked on the leading axis
+    layers["self_attn"]["o_proj"]["kernel"] = layers["self_attn"]["o_proj"]["kernel"] * attention_scale
+    layers["mlp"]["down_proj"]["kernel"] = layers["mlp"]["down_proj"]["kernel"] * attention_scale
     return params
 
 

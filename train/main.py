@@ -120,10 +120,8 @@ def main(argv) -> int:
     if FLAGS.coordinator:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
-    elif FLAGS.compile_cache and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-        # Not across processes: jax 0.10 on CPU loads collectives that disagree between them.
-        jax.config.update("jax_compilation_cache_dir", FLAGS.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    else:  # not across processes: jax 0.10 on CPU loads collectives that disagree between them
+        cli.use_compile_cache(FLAGS.compile_cache)
     from train.loop import train
 
     result = train(FLAGS.config, FLAGS.workdir)

@@ -7,16 +7,26 @@ Every tensor in the file must be consumed; anything unknown is an error naming t
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import json
 import os
 import struct
+from pathlib import Path
 from typing import NamedTuple
 
 import gguf
+import jax
 import numpy as np
+import safetensors
+import safetensors.numpy
+from flax import traverse_util
 
 from hspec_jax.checkpoints.hf import CheckpointError, check_finite, params_from_state_dict, target_config_from_hf
 from hspec_jax.models.config import TargetConfig
+from hspec_jax.models.decoder import param_shapes
+from hspec_jax.user_cache import user_cache_dir
 
 # GGUF architecture -> HF model_type, and whether llama.cpp permuted q/k rows on conversion.
 _ARCHITECTURES = {"llama": ("llama", True), "qwen3": ("qwen3", False), "qwen2": ("qwen2", False)}
@@ -219,12 +229,60 @@ def state_dict_from_gguf(reader: GGUFFile, config: TargetConfig) -> dict[str, np
 
 
 def load_gguf_target(path: str, **config_overrides) -> tuple[TargetConfig, dict]:
-    """(config, params) from a GGUF file; weights are dequantized to `config.param_dtype`."""
+    """(config, params) from a GGUF file; weights are dequantized to `config.param_dtype`.
+
+    Dequantizing takes seconds (SmolLM2's Q4_1 file: ~7 s on 2 cores), so the result is kept in the user cache
+    (`$XDG_CACHE_HOME/hspec_jax/targets/`, one safetensors file of the stacked tree per GGUF file and config) and
+    read back by later processes; the entry is keyed by the file's `file_stamp` (path, inode, size, modification
+    time), the config and the format version, so a rewritten file or another dtype is dequantized again, and an
+    entry that does not load or does not match the config's shapes is replaced."""
     reader = read_gguf(path)
     config = gguf_target_config(reader, path, **config_overrides)
-    params = params_from_state_dict(state_dict_from_gguf(reader, config), config)
-    check_finite(params, path)
+    cached = dequantized_cache_path(path, config)
+    params = _read_dequantized(cached, config)
+    if params is None:
+        params = params_from_state_dict(state_dict_from_gguf(reader, config), config)
+        check_finite(params, path)
+        _write_dequantized(cached, params)
     return config, params
+
+
+DEQUANTIZED_FORMAT = 1  # bump when the stored layout changes
+
+
+def dequantized_cache_path(path: str, config: TargetConfig) -> Path:
+    """The user-cache file holding `path`'s weights dequantized for `config`."""
+    key = json.dumps([*file_stamp(path), repr(config), DEQUANTIZED_FORMAT])
+    return user_cache_dir("targets") / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
+
+
+def _read_dequantized(cached: Path, config: TargetConfig) -> dict | None:
+    """The params stored at `cached`, checked against the config's shapes and dtypes; None if absent or unusable."""
+    if not cached.is_file():
+        return None
+    try:
+        flat = safetensors.numpy.load_file(str(cached))
+    except (safetensors.SafetensorError, OSError):
+        return None
+    expected = traverse_util.flatten_dict(param_shapes(config), sep="/")
+    if set(flat) != set(expected) or any(
+        flat[k].shape != v.shape or flat[k].dtype != v.dtype for k, v in expected.items()
+    ):
+        return None
+    return jax.device_put(traverse_util.unflatten_dict(flat, sep="/"))
+
+
+def _write_dequantized(cached: Path, params: dict) -> None:
+    """Store `params` at `cached` (whole or not at all); an unwritable cache is skipped."""
+    flat = {k: np.asarray(v) for k, v in traverse_util.flatten_dict(jax.device_get(params), sep="/").items()}
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        safetensors.numpy.save_file(flat, str(tmp))
+        tmp.replace(cached)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 def gguf_target_config(reader: GGUFFile, path: str, **config_overrides) -> TargetConfig:

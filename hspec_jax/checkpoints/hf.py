@@ -73,8 +73,10 @@ def check_finite(params: dict, source: str) -> None:
         raise CheckpointError(f"{source}: parameter {bad[0]} holds NaN or Inf values ({len(bad)} such array(s))")
 
 
-def target_key_table(config: TargetConfig) -> dict[str, tuple[tuple[str, ...], bool]]:
-    """HF tensor name -> (parameter path, transpose?) for every parameter of the target."""
+def target_key_table(config: TargetConfig) -> dict[str, tuple[tuple, bool]]:
+    """HF tensor name -> (parameter path, transpose?) for every parameter of the target. A decoder layer's
+    path holds its index, `("layers", i, "self_attn", ...)`: row i of the stacked array at the path without it
+    (the layers are stacked in memory, one tensor per layer in HF files)."""
     table = {
         "model.embed_tokens.weight": (("embed_tokens", "embedding"), False),
         "model.norm.weight": (("norm", "scale"), False),
@@ -82,9 +84,9 @@ def target_key_table(config: TargetConfig) -> dict[str, tuple[tuple[str, ...], b
     if not config.tie_word_embeddings:
         table["lm_head.weight"] = (("lm_head",), False)
     for i in range(config.num_layers):
-        hf, ours = f"model.layers.{i}.", f"layers_{i}"
-        table[hf + "input_layernorm.weight"] = ((ours, "input_layernorm", "scale"), False)
-        table[hf + "post_attention_layernorm.weight"] = ((ours, "post_attention_layernorm", "scale"), False)
+        hf, ours = f"model.layers.{i}.", ("layers", i)
+        table[hf + "input_layernorm.weight"] = ((*ours, "input_layernorm", "scale"), False)
+        table[hf + "post_attention_layernorm.weight"] = ((*ours, "post_attention_layernorm", "scale"), False)
         for proj, has_bias in (
             ("q", config.qkv_bias),
             ("k", config.qkv_bias),
@@ -92,21 +94,21 @@ def target_key_table(config: TargetConfig) -> dict[str, tuple[tuple[str, ...], b
             ("o", config.o_bias),
         ):
             table[hf + f"self_attn.{proj}_proj.weight"] = (
-                (ours, "self_attn", f"{proj}_proj", "kernel"),
+                (*ours, "self_attn", f"{proj}_proj", "kernel"),
                 True,
             )
             if has_bias:
                 table[hf + f"self_attn.{proj}_proj.bias"] = (
-                    (ours, "self_attn", f"{proj}_proj", "bias"),
+                    (*ours, "self_attn", f"{proj}_proj", "bias"),
                     False,
                 )
         if config.qk_norm:
             for norm in ("q_norm", "k_norm"):
-                table[hf + f"self_attn.{norm}.weight"] = ((ours, "self_attn", norm, "scale"), False)
+                table[hf + f"self_attn.{norm}.weight"] = ((*ours, "self_attn", norm, "scale"), False)
         for proj in ("gate", "up", "down"):
-            table[hf + f"mlp.{proj}_proj.weight"] = ((ours, "mlp", f"{proj}_proj", "kernel"), True)
+            table[hf + f"mlp.{proj}_proj.weight"] = ((*ours, "mlp", f"{proj}_proj", "kernel"), True)
             if config.mlp_bias:
-                table[hf + f"mlp.{proj}_proj.bias"] = ((ours, "mlp", f"{proj}_proj", "bias"), False)
+                table[hf + f"mlp.{proj}_proj.bias"] = ((*ours, "mlp", f"{proj}_proj", "bias"), False)
     return table
 
 
@@ -145,7 +147,7 @@ def params_from_state_dict(
                 f"{tuple(want.shape[::-1]) if transpose else tuple(want.shape)}"
             )
         _set(params, path, value.astype(want.dtype))
-    return jax.device_put(params)
+    return jax.device_put(_stack(params))
 
 
 def state_dict_from_params(
@@ -162,16 +164,37 @@ def state_dict_from_params(
     return out
 
 
-def _get(tree: Mapping, path: tuple[str, ...]):
+def _get(tree: Mapping, path: tuple):
+    """The value at `path`; an int in the path picks that row of the leaf's leading (layer) axis."""
+    rows = [part for part in path if isinstance(part, int)]
     for part in path:
-        tree = tree[part]
+        if not isinstance(part, int):
+            tree = tree[part]
+    for row in rows:
+        tree = jax.ShapeDtypeStruct(tree.shape[1:], tree.dtype) if isinstance(tree, jax.ShapeDtypeStruct) else tree[row]
     return tree
 
 
-def _set(tree: dict, path: tuple[str, ...], value) -> None:
-    for part in path[:-1]:
+def _set(tree: dict, path: tuple, value) -> None:
+    """Set the value at `path`; with an int in the path, row `i` of a list that `_stack` turns into the leaf."""
+    names = [part for part in path if not isinstance(part, int)]
+    rows = [part for part in path if isinstance(part, int)]
+    for part in names[:-1]:
         tree = tree.setdefault(part, {})
-    tree[path[-1]] = value
+    if not rows:
+        tree[names[-1]] = value
+        return
+    (row,) = rows
+    layers = tree.setdefault(names[-1], [])
+    layers.extend([None] * (row + 1 - len(layers)))
+    layers[row] = value
+
+
+def _stack(tree):
+    """`tree` with every list of per-layer rows (from `_set`) stacked into one array on a leading axis."""
+    if isinstance(tree, dict):
+        return {key: _stack(value) for key, value in tree.items()}
+    return np.stack(tree) if isinstance(tree, list) else tree
 
 
 def read_config(directory: str) -> dict:

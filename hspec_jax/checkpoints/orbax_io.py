@@ -6,7 +6,9 @@ A converted target is a directory:
     DIR/params/             Orbax (StandardCheckpointer) pytree of the nested param dict
     DIR/tokenizer/          the tokenizer and chat template (`save_pretrained`), when one was given
 
-Restoring checks the stored tree against the config's expected shapes and dtypes (strict).
+Restoring checks the stored tree against the config's expected shapes and dtypes (strict). A target saved
+before the decoder layers were stacked (`layers_0`, `layers_1`, ... trees) is restored layer by layer and
+stacked on load, with the same checks.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import orbax.checkpoint as ocp
 
 from hspec_jax.checkpoints.hf import CheckpointError, check_finite, read_json, staged_directory, target_config_from_hf
 from hspec_jax.models.config import TargetConfig
-from hspec_jax.models.decoder import param_shapes
+from hspec_jax.models.decoder import param_shapes, per_layer_names, stack_layers
 
 MANIFEST = "hspec_target.json"
 FORMAT = "hspec-jax-target"
@@ -45,8 +47,11 @@ def restore_target(directory: str, **config_overrides) -> tuple[TargetConfig, di
     """(config, params) from a directory written by `save_target`."""
     directory = os.path.abspath(directory)
     config = orbax_target_config(directory, **config_overrides)
-    expected = param_shapes(config)
-    params = restore_pytree(os.path.join(directory, "params"), expected)
+    expected, path = param_shapes(config), os.path.join(directory, "params")
+    if os.path.isdir(path) and "layers_0" in ocp.StandardCheckpointer().metadata(path).item_metadata.tree:
+        params = stack_layers(restore_pytree(path, per_layer_names(expected, config.num_layers)), config.num_layers)
+    else:
+        params = restore_pytree(path, expected)
     check_finite(params, directory)
     return config, params
 

@@ -21,7 +21,7 @@ from hspec_jax.drafters.family import family_of
 from hspec_jax.drafters.inputs import DraftInputs
 from hspec_jax.drafters.output import DraftOutput
 from hspec_jax.drafters.vocab import DraftVocab, draft_rows
-from hspec_jax.models.decoder import embedding_matrix, lm_head_matrix
+from hspec_jax.models.decoder import embedding_matrix, layer_params, lm_head_matrix
 from hspec_jax.models.kv_cache import KVCache, init_cache
 
 _INIT_CONTEXT_ROWS = 8
@@ -108,7 +108,7 @@ def init_from_target(params: dict, config: DrafterConfig, target_params: dict, v
         row = embedding_matrix(target_params)[config.mask_token_id]
         out["mask_embedding"] = copy(row, params["mask_embedding"])
     for name, layer in mirrored_target_layers(config).items():
-        source = target_params[f"layers_{layer}"]["self_attn"]
+        source = layer_params(target_params, layer)["self_attn"]
         attn = out[name]["self_attn"]
         for key in COPIED_FROM_TARGET:
             if key in attn and key in source:  # q/k norms the target lacks keep their init (ones) and train

@@ -2,29 +2,31 @@
 
 from hspec_jax.models.config import RopeScaling, TargetConfig, default_dtype
 from hspec_jax.models.decoder import (
-    Decoder,
     DecoderOutput,
+    decoder_layer,
     embedding_matrix,
     forward,
     init_params,
+    layer_params,
     lm_head_matrix,
     param_shapes,
 )
 from hspec_jax.models.kv_cache import KVCache, check_capacity, commit, init_cache
 
 __all__ = [
-    "Decoder",
     "DecoderOutput",
     "KVCache",
     "RopeScaling",
     "TargetConfig",
     "check_capacity",
     "commit",
+    "decoder_layer",
     "default_dtype",
     "embedding_matrix",
     "forward",
     "init_cache",
     "init_params",
+    "layer_params",
     "lm_head_matrix",
     "param_shapes",
 ]

@@ -35,6 +35,14 @@ def hf_size(hf: dict, key: str, required: bool = True) -> int | None:
     return value
 
 
+def scan_layers_default() -> bool:
+    """Scan the decoder layers everywhere but on CPU. XLA's CPU backend copies each layer's weights out of the
+    stacked arrays before its matmuls, which makes a memory-bound decoding step ~1.7x slower than calling the
+    layer once per layer on separate weights (benchmarks/results/scan_layers.md); accelerators read the slice in
+    place and compile one layer instead of L."""
+    return jax.default_backend() != "cpu"
+
+
 def default_dtype() -> jnp.dtype:
     """fp32 on CPU (XLA's CPU bf16 matmuls are several times slower), bf16 on accelerators."""
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
@@ -56,6 +64,11 @@ class TargetConfig:
 
     `dtype` is the compute dtype, `param_dtype` the storage dtype of the weights; both default to
     `default_dtype()` (fp32 on CPU, bf16 on accelerators). Norms, softmax and RoPE run in fp32.
+
+    `scan_layers` chooses how the decoder runs its layers, never what it computes: True runs one traced and
+    compiled layer under `jax.lax.scan` over the stacked layer parameters (compile time independent of depth),
+    False calls the same layer function once per layer (traced once, compiled inlined), None takes the
+    measured default of the backend (`scan_layers_default`).
     """
 
     model_type: str
@@ -82,6 +95,7 @@ class TargetConfig:
     pad_token_id: int | None = None
     dtype: Any = None
     param_dtype: Any = None
+    scan_layers: bool | None = None
 
     def __post_init__(self):
         if self.model_type not in _FAMILIES:
@@ -105,6 +119,11 @@ class TargetConfig:
     def num_groups(self) -> int:
         """Query heads per KV head (GQA group size)."""
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def scans_layers(self) -> bool:
+        """Whether the decoder runs its layers under `jax.lax.scan` (`scan_layers`, or the backend's default)."""
+        return scan_layers_default() if self.scan_layers is None else self.scan_layers
 
     def layer_window(self, layer: int) -> int | None:
         """Sliding-window length of decoder layer `layer`, or None for full attention."""

@@ -9,8 +9,12 @@ Tap ids follow the H-Spec reference convention: **tap i is the residual stream e
 i**, i.e. Hugging Face `output_hidden_states[i]` (tap 0 = the embeddings, tap L = the last layer's
 output before the final norm). The output of decoder layer i is therefore tap i + 1.
 
-Parameter names mirror the Hugging Face module tree (`layers_3/self_attn/q_proj/kernel` is
-`model.layers.3.self_attn.q_proj.weight` transposed), so checkpoint conversion is a plain table.
+Parameter names mirror the Hugging Face module tree with the layers stacked on a leading axis
+(`layers/self_attn/q_proj/kernel[3]` is `model.layers.3.self_attn.q_proj.weight` transposed), so checkpoint
+conversion is a plain table (`hspec_jax.checkpoints.hf`). Every layer runs through one function,
+`decoder_layer`: under `jax.lax.scan` on accelerators (one layer traced and compiled whatever the depth), or
+called once per layer on CPU, where XLA would copy each layer's weights out of the stacked arrays
+(`TargetConfig.scan_layers`; placement hands the CPU path one tree per layer, `unstack_layers`).
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hspec_jax.models.blocked_attention import blocked_attention
 from hspec_jax.models.config import TargetConfig
-from hspec_jax.models.kv_cache import KVCache, init_cache
+from hspec_jax.models.kv_cache import KVCache, init_cache, layer_view, put_layer
 from hspec_jax.models.layers import INIT_STD, MLP, RMSNorm, dense, rms_norm
 from hspec_jax.models.rope import apply_rope, inverse_frequencies
 
@@ -132,8 +137,11 @@ class SelfAttention(AttentionProjections):
 
 
 class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer. `window`: None (full attention), a static int, or a traced `[]` int32 when the
+    decoder scans layers of different windows (`FULL_ATTENTION` for a full-attention layer)."""
+
     config: TargetConfig
-    window: int | None = None
+    window: int | jax.Array | None = None
 
     @nn.compact
     def __call__(self, x, positions, cache, index, starts, doc_starts=None):
@@ -148,60 +156,69 @@ class DecoderLayer(nn.Module):
         return x, cache
 
 
-class Decoder(nn.Module):
-    """Decoder-only LM. See the module docstring for the call contract and tap convention."""
+# The window of a full-attention layer when windows are scanned data: more rows than any cache holds.
+FULL_ATTENTION = 1 << 30
 
-    config: TargetConfig
 
-    @nn.compact
-    def __call__(
-        self,
-        tokens: jax.Array,
-        cache: KVCache,
-        taps: tuple[int, ...] = (),
-        logit_indices: jax.Array | None = None,
-        positions: jax.Array | None = None,
-    ) -> DecoderOutput:
-        """tokens `[B, T]` int; `logit_indices [B, P]` (optional) picks the positions to compute logits at;
-        `positions [B, T]` (optional, training on packed rows): each token's position within its document,
-        which starts at row `row - position`: RoPE uses it and no token attends across documents."""
-        cfg = self.config
-        for tap in taps:
-            if not 0 <= tap <= cfg.num_layers:
-                raise ValueError(f"tap id {tap} out of range 0..{cfg.num_layers}")
-        embed = nn.Embed(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            embedding_init=nn.initializers.normal(INIT_STD),
-            dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype,
-            name="embed_tokens",
-        )
-        starts = cache.lengths
-        rows = starts[:, None] + jnp.arange(tokens.shape[1])[None, :]
-        doc_starts = None if positions is None else rows - positions
-        positions = rows if positions is None else positions
-        x = embed(tokens)
-        streams = [x]
-        for i in range(cfg.num_layers):
-            layer = DecoderLayer(cfg, cfg.layer_window(i), name=f"layers_{i}")
-            x, cache = layer(x, positions, cache, i, starts, doc_starts)
-            streams.append(x)
-        hidden = tuple(streams[i] for i in taps)
-        if logit_indices is not None:
-            x = jnp.take_along_axis(x, logit_indices[:, :, None], axis=1)
-        x = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="norm")(x)
-        if cfg.tie_word_embeddings:
-            head = embed.embedding
-        else:
-            head = self.param(
-                "lm_head",
-                nn.initializers.normal(INIT_STD),
-                (cfg.vocab_size, cfg.hidden_size),
-                cfg.param_dtype,
+def decoder_layer(layer_params: dict, config: TargetConfig, window, x, positions, cache, starts, doc_starts):
+    """Decoder layer `layer_params` (one layer's tree, no layer axis) as a pure function, the one unit every layer
+    runs through: x `[B, T, D]`, positions `[B, T]`, `cache` a one-layer cache (`kv_cache.layer_view`) this
+    layer writes and reads as its layer 0, starts `[B]`, doc_starts `[B, T]` or None -> (x `[B, T, D]`, cache)."""
+    return DecoderLayer(config, window).apply({"params": layer_params}, x, positions, cache, 0, starts, doc_starts)
+
+
+# Called once per layer when layers are not scanned: traced and lowered once per (config, window, shapes) and
+# called L times, so tracing and lowering cost one layer; XLA compiles the calls inlined, as if unrolled.
+_layer_call = jax.jit(decoder_layer, static_argnames=("config", "window"))
+
+
+def stacked_layers(layers) -> bool:
+    """Whether `params["layers"]` holds every layer stacked on a leading axis (a dict), not one tree per layer."""
+    return isinstance(layers, dict)
+
+
+def unstack_layers(layers: dict, num_layers: int) -> tuple[dict, ...]:
+    """The stacked layer tree `{...: [L, ...]}` as a tuple of per-layer trees (new arrays, one per layer)."""
+    return tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(num_layers))
+
+
+def run_layers(params: dict, config: TargetConfig, x, positions, cache, starts, doc_starts, taps):
+    """Every decoder layer over x `[B, T, D]` -> (x after the last layer, the requested taps, cache).
+
+    Scanned (`config.scans_layers`, stacked params and cache): one `jax.lax.scan` step per layer over the stacked
+    parameters, the cache's stacked k/v and each layer's window; the tapped streams go into a `[len(taps) + 1,
+    B, T, D]` buffer carried along (one extra row takes every untapped layer), so no layer's activations are
+    kept otherwise. Otherwise: the same layer function called once per layer (`_layer_call`), on per-layer
+    parameter trees (`unstack_layers`, which placement does once on CPU; stacked params are sliced here)."""
+    layers, num = params["layers"], config.num_layers
+    if config.scans_layers and stacked_layers(layers):
+        if isinstance(cache.k, tuple):
+            raise ValueError("a decoder that scans its layers needs a stacked cache: build it with init_cache(config)")
+        slot = np.full(num + 1, len(taps), np.int32)
+        for j, tap in enumerate(taps):
+            slot[tap] = j
+        streams = jnp.zeros((len(taps) + 1, *x.shape), x.dtype).at[slot[0]].set(x)
+        windows = jnp.asarray([config.layer_window(i) or FULL_ATTENTION for i in range(num)], jnp.int32)
+
+        def step(carry, scanned):
+            x, streams = carry
+            layer, k, v, window, out_slot = scanned
+            x, view = decoder_layer(
+                layer, config, window, x, positions, cache.replace(k=(k,), v=(v,)), starts, doc_starts
             )
-        logits = jnp.einsum("btd,vd->btv", x, head.astype(cfg.dtype), preferred_element_type=jnp.float32)
-        return DecoderOutput(logits, hidden, cache)
+            return (x, streams.at[out_slot].set(x)), (view.k[0], view.v[0])
+
+        (x, streams), (k, v) = jax.lax.scan(step, (x, streams), (layers, cache.k, cache.v, windows, slot[1:]))
+        return x, tuple(streams[j] for j in range(len(taps))), cache.replace(k=k, v=v)
+    per_layer = unstack_layers(layers, num) if stacked_layers(layers) else layers
+    streams = [x]
+    for i in range(num):
+        x, view = _layer_call(
+            per_layer[i], config, config.layer_window(i), x, positions, layer_view(cache, i), starts, doc_starts
+        )
+        cache = cache.replace(k=put_layer(cache.k, i, view.k[0]), v=put_layer(cache.v, i, view.v[0]))
+        streams.append(x)
+    return x, tuple(streams[i] for i in taps), cache
 
 
 def forward(
@@ -213,30 +230,80 @@ def forward(
     logit_indices: jax.Array | None = None,
     positions: jax.Array | None = None,
 ) -> DecoderOutput:
-    """Pure-function form of `Decoder(config)`: see the module docstring."""
-    return Decoder(config).apply({"params": params}, tokens, cache, taps, logit_indices, positions)
+    """The decoder on tokens `[B, T]` int (see the module docstring for the call contract and tap convention);
+    `logit_indices [B, P]` (optional) picks the positions to compute logits at; `positions [B, T]` (optional,
+    training on packed rows): each token's position within its document, which starts at row `row - position`:
+    RoPE uses it and no token attends across documents. `params["layers"]` is the stacked layer tree (or, as
+    placement gives it on CPU, a tuple of per-layer trees)."""
+    for tap in taps:
+        if not 0 <= tap <= config.num_layers:
+            raise ValueError(f"tap id {tap} out of range 0..{config.num_layers}")
+    starts = cache.lengths
+    rows = starts[:, None] + jnp.arange(tokens.shape[1])[None, :]
+    doc_starts = None if positions is None else rows - positions
+    positions = rows if positions is None else positions
+    x = jnp.take(embedding_matrix(params), tokens, axis=0).astype(config.dtype)
+    x, hidden, cache = run_layers(params, config, x, positions, cache, starts, doc_starts, tuple(taps))
+    if logit_indices is not None:
+        x = jnp.take_along_axis(x, logit_indices[:, :, None], axis=1)
+    return DecoderOutput(output_logits(params, config, x), hidden, cache)
 
 
 def init_params(config: TargetConfig, rng: jax.Array) -> dict:
-    """Randomly initialised target parameters (HF-style N(0, 0.02) linears, unit norms)."""
-    cache = init_cache(config, 1, 1)
-    return Decoder(config).init(rng, jnp.zeros((1, 1), jnp.int32), cache)["params"]
+    """Randomly initialised target parameters (HF-style N(0, 0.02) linears and embeddings, unit norms), the
+    layers stacked on a leading axis: `{"embed_tokens", "layers", "norm"[, "lm_head"]}`."""
+    embed_rng, head_rng, layers_rng = jax.random.split(rng, 3)
+    shape = (config.vocab_size, config.hidden_size)
+    params = {
+        "embed_tokens": {"embedding": INIT_STD * jax.random.normal(embed_rng, shape, config.param_dtype)},
+        "layers": jax.vmap(lambda r: _init_layer(config, r))(jax.random.split(layers_rng, config.num_layers)),
+        "norm": {"scale": jnp.ones((config.hidden_size,), config.param_dtype)},
+    }
+    if not config.tie_word_embeddings:
+        params["lm_head"] = INIT_STD * jax.random.normal(head_rng, shape, config.param_dtype)
+    return params
+
+
+def _init_layer(config: TargetConfig, rng: jax.Array) -> dict:
+    """One decoder layer's randomly initialised parameters."""
+    cache = init_cache(config.replace(num_layers=1, layer_types=config.layer_types[:1], scan_layers=False), 1, 1)
+    x = jnp.zeros((1, 1, config.hidden_size), config.dtype)
+    zero = jnp.zeros((1, 1), jnp.int32)
+    return DecoderLayer(config).init(rng, x, zero, cache, 0, zero[:, 0])["params"]
 
 
 def param_shapes(config: TargetConfig) -> dict:
-    """Every parameter's `jax.ShapeDtypeStruct`, nested as `init_params` nests them, without allocating: what a
-    checkpoint is checked against. Computed once per config; a fresh dict each call."""
+    """Every parameter's `jax.ShapeDtypeStruct`, nested as `init_params` nests them (layers stacked), without
+    allocating: what a checkpoint is checked against. Computed once per config; a fresh dict each call."""
     return jax.tree.map(lambda x: x, _param_shapes(config))
 
 
 @functools.lru_cache(maxsize=16)
 def _param_shapes(config: TargetConfig) -> dict:
-    """Every decoder layer has the same parameters (a sliding window changes none), so one layer is traced and its
-    shapes repeated: SmolLM2's in 0.1 s instead of 1.5 s for all 30."""
-    one = config.replace(num_layers=1, layer_types=config.layer_types[:1])
-    shapes = jax.eval_shape(lambda: init_params(one, jax.random.key(0)))
-    layer = shapes.pop("layers_0")
-    return {**shapes, **{f"layers_{i}": layer for i in range(config.num_layers)}}
+    return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+
+
+def per_layer_names(params: dict, num_layers: int) -> dict:
+    """`params` with the stacked `layers` tree split into `layers_0`, `layers_1`, ... (the layout before the layers
+    were stacked, kept by older converted targets); works on arrays and on shapes alike."""
+    rest = {key: value for key, value in params.items() if key != "layers"}
+    row = lambda i: (
+        lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a[i]
+    )
+    return {**rest, **{f"layers_{i}": jax.tree.map(row(i), params["layers"]) for i in range(num_layers)}}
+
+
+def stack_layers(params: dict, num_layers: int) -> dict:
+    """The inverse of `per_layer_names`: `layers_0` .. `layers_{L-1}` stacked into one `layers` tree."""
+    rest = {key: value for key, value in params.items() if not key.startswith("layers_")}
+    layers = [params[f"layers_{i}"] for i in range(num_layers)]
+    return {**rest, "layers": jax.tree.map(lambda *rows: jnp.stack(rows), *layers)}
+
+
+def layer_params(params: dict, i: int) -> dict:
+    """Decoder layer i's parameter tree (no layer axis), from stacked or per-layer `params["layers"]`."""
+    layers = params["layers"]
+    return jax.tree.map(lambda a: a[i], layers) if stacked_layers(layers) else layers[i]
 
 
 def embedding_matrix(params: dict) -> jax.Array:

@@ -5,8 +5,10 @@ Layout and contract. Readers and writers go through two accessors, so another ca
 `[B, S, K, H]` view, and `cache.write(i, k, v, starts)` writes new rows. `KVBuffers` is the same without
 lengths: a drafter's own cache (DFlash/DSpark), whose rows are committed in step with the target's.
 
-* `cache.k[i]`, `cache.v[i]` are decoder layer i's keys and values, `[B, S_max, K, H]`. Keys are stored
-  *after* the k-norm (Qwen3) and after RoPE at their absolute positions, so a reader never re-rotates.
+* `cache.k[i]`, `cache.v[i]` are decoder layer i's keys and values, `[B, S_max, K, H]`: `cache.k` is a tuple of
+  per-layer arrays, or one array `[L, B, S_max, K, H]` stacked on a leading layer axis when the decoder scans
+  its layers (`TargetConfig.scans_layers`; `init_cache` follows the config). Keys are stored *after* the k-norm
+  (Qwen3) and after RoPE at their absolute positions, so a reader never re-rotates.
 * `cache.lengths[b]` is how many rows of sequence b are committed: rows `0 .. lengths[b]-1` are valid.
   Rows at and beyond `lengths[b]` may hold stale data (a rejected draft, a padded prompt) and are
   overwritten by the next forward pass; every reader masks them out by position.
@@ -24,11 +26,40 @@ import jax.numpy as jnp
 
 from hspec_jax.models.config import TargetConfig
 
+Layers = tuple[jax.Array, ...] | jax.Array  # one array per layer, or one stacked on a leading layer axis
+
+
+def zeros_layers(num_layers: int, shape: tuple, dtype, stacked: bool) -> Layers:
+    """Zeros of `shape` for each of `num_layers` layers: one `[L, *shape]` array if `stacked`, else a tuple."""
+    if stacked:
+        return jnp.zeros((num_layers, *shape), dtype)
+    return tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+
+
+def put_layer(layers: Layers, i, value: jax.Array) -> Layers:
+    """`layers` with layer i (static, or traced for the stacked form) replaced by `value`."""
+    if isinstance(layers, tuple):
+        return (*layers[:i], value, *layers[i + 1 :])
+    return layers.at[i].set(value)
+
+
+def map_layers(fn, *layers: Layers) -> Layers:
+    """`fn` applied to each layer's arrays, keeping the form (a tuple, or stacked through `jax.vmap`)."""
+    if isinstance(layers[0], tuple):
+        return tuple(map(fn, *layers))
+    return jax.vmap(fn)(*layers)
+
+
+def layer_view(cache, i):
+    """`cache` (any of the caches here or in `hspec_jax.serving.paged`) as a one-layer cache of the same kind
+    holding decoder layer i (its other fields shared): what one decoder layer reads and writes as its layer 0."""
+    return cache.replace(k=(cache.k[i],), v=(cache.v[i],))
+
 
 @flax.struct.dataclass
 class KVBuffers:
-    k: tuple[jax.Array, ...]  # per layer [B, S, K, H], post-norm, post-RoPE
-    v: tuple[jax.Array, ...]  # per layer [B, S, K, H]
+    k: Layers  # per layer [B, S, K, H], post-norm, post-RoPE (or stacked [L, B, S, K, H])
+    v: Layers  # per layer [B, S, K, H]
 
     @property
     def capacity(self) -> int:
@@ -46,17 +77,17 @@ class KVBuffers:
     def write(self, i: int, k: jax.Array, v: jax.Array, starts: jax.Array):
         """Write layer i's new rows k, v `[B, T, K, H]` at rows `starts[b] + t` (rows past S dropped)."""
         k_new, v_new = write_rows(self.k[i], k, starts), write_rows(self.v[i], v, starts)
-        return self.replace(k=(*self.k[:i], k_new, *self.k[i + 1 :]), v=(*self.v[:i], v_new, *self.v[i + 1 :]))
+        return self.replace(k=put_layer(self.k, i, k_new), v=put_layer(self.v, i, v_new))
 
     def slot(self, s: jax.Array):
         """Sequence `s` (a traced index) alone: batch 1, its rows copied out (the paged pool's accessor)."""
         take = lambda x: jax.lax.dynamic_slice_in_dim(x, s, 1)
-        return self.replace(k=tuple(map(take, self.k)), v=tuple(map(take, self.v)))
+        return self.replace(k=map_layers(take, self.k), v=map_layers(take, self.v))
 
     def with_slot(self, s: jax.Array, view):
         """These buffers after `view = self.slot(s)` was written to: its rows put back in place."""
         put = lambda x, row: jax.lax.dynamic_update_slice_in_dim(x, row, s, 0)
-        return self.replace(k=tuple(map(put, self.k, view.k)), v=tuple(map(put, self.v, view.v)))
+        return self.replace(k=map_layers(put, self.k, view.k), v=map_layers(put, self.v, view.v))
 
 
 @flax.struct.dataclass
@@ -73,13 +104,13 @@ class KVCache(KVBuffers):
 
 
 def init_cache(config: TargetConfig, batch_size: int, capacity: int, dtype=None) -> KVCache:
-    """An empty cache of `capacity` rows per sequence, in `dtype` (default: the config's compute dtype)."""
+    """An empty cache of `capacity` rows per sequence, in `dtype` (default: the config's compute dtype), its
+    layers stacked when the config's decoder scans them."""
     dtype = dtype or config.dtype
     shape = (batch_size, capacity, config.num_kv_heads, config.head_dim)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
     return KVCache(
-        k=zeros,
-        v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+        k=zeros_layers(config.num_layers, shape, dtype, config.scans_layers),
+        v=zeros_layers(config.num_layers, shape, dtype, config.scans_layers),
         lengths=jnp.zeros((batch_size,), jnp.int32),
     )
 

@@ -93,9 +93,21 @@ def fuse_projections(params: dict) -> dict:
 
 
 def for_backend(params: dict) -> dict:
-    """Params as the engines run them on a single device of the current backend: fused projections on CPU
-    (`fuse_projections`), unchanged elsewhere (GPU/TPU and sharded runs keep the checkpoint's layout)."""
-    return fuse_projections(params) if jax.default_backend() == "cpu" else params
+    """Params as the engines run them on a single device of the current backend: on CPU fused projections
+    (`fuse_projections`) and, for a target whose decoder does not scan (`TargetConfig.scans_layers`), its
+    stacked layers split into one tree per layer (`unstack_layers`: XLA's CPU code would otherwise copy each
+    layer's weights out of the stack at every step); unchanged elsewhere (GPU/TPU and sharded runs keep the
+    checkpoint's layout). Idempotent: a placed tree comes back with the same arrays."""
+    if jax.default_backend() != "cpu":
+        return params
+    from hspec_jax.models.config import scan_layers_default
+    from hspec_jax.models.decoder import stacked_layers, unstack_layers
+
+    params = fuse_projections(params)
+    layers = params.get("layers")
+    if layers is not None and stacked_layers(layers) and not scan_layers_default():
+        params = {**params, "layers": unstack_layers(layers, len(jax.tree.leaves(layers)[0]))}
+    return params
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

@@ -1,6 +1,7 @@
 """The paged KV pool: fixed-size pages shared by every sequence, and a page table per sequence.
 
-Layout: per layer, keys and values `[P, page, K, H]` (P pages of `page` rows each); `page_table [B, M]` maps
+Layout: per layer, keys and values `[P, page, K, H]` (stacked `[L, P, page, K, H]` when the decoder scans its
+layers, as in the dense cache) (P pages of `page` rows each); `page_table [B, M]` maps
 sequence b's logical page j (its rows j*page .. (j+1)*page - 1) to a pool page. Page 0 is the null page: it is
 never allocated and every unused table entry points at it, so rows a forward writes beyond a sequence's pages
 (padding, a rejected draft past the end) land there and are never read as valid (readers mask rows at and past
@@ -25,14 +26,15 @@ import jax.numpy as jnp
 
 from hspec_jax.drafters.config import DrafterConfig
 from hspec_jax.models.config import TargetConfig
+from hspec_jax.models.kv_cache import Layers, put_layer, zeros_layers
 
 NULL_PAGE = 0
 
 
 @flax.struct.dataclass
 class PagedBuffers:
-    k: tuple[jax.Array, ...]  # per layer [P, page, K, H]
-    v: tuple[jax.Array, ...]  # per layer [P, page, K, H]
+    k: Layers  # per layer [P, page, K, H] (or stacked [L, P, page, K, H])
+    v: Layers  # per layer [P, page, K, H]
     page_table: jax.Array  # [B, M] int32 pool page of each logical page; NULL_PAGE where none
 
     @property
@@ -74,7 +76,7 @@ class PagedBuffers:
             return pool.at[pages, offsets].set(new.astype(pool.dtype), mode="drop")
 
         k_pool, v_pool = put(self.k[i], k), put(self.v[i], v)
-        return self.replace(k=(*self.k[:i], k_pool, *self.k[i + 1 :]), v=(*self.v[:i], v_pool, *self.v[i + 1 :]))
+        return self.replace(k=put_layer(self.k, i, k_pool), v=put_layer(self.v, i, v_pool))
 
     def slot(self, s: jax.Array):
         """Sequence `s` (a traced index) alone, batch 1, over the same pool."""
@@ -99,9 +101,8 @@ class PagedKVCache(PagedBuffers):
         return self.replace(k=view.k, v=view.v, lengths=self.lengths.at[s].set(view.lengths[0]))
 
 
-def _pools(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype):
-    shape = (num_pages, page_size, kv_heads, head_dim)
-    return tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+def _pools(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, stacked=False):
+    return zeros_layers(num_layers, (num_pages, page_size, kv_heads, head_dim), dtype, stacked)
 
 
 def paged_cache(
@@ -112,8 +113,8 @@ def paged_cache(
     dtype = dtype or config.dtype
     geometry = (num_pages, page_size, config.num_kv_heads, config.head_dim, dtype)
     return PagedKVCache(
-        k=_pools(config.num_layers, *geometry),
-        v=_pools(config.num_layers, *geometry),
+        k=_pools(config.num_layers, *geometry, config.scans_layers),
+        v=_pools(config.num_layers, *geometry, config.scans_layers),
         page_table=jnp.full((slots, max_pages), NULL_PAGE, jnp.int32),
         lengths=jnp.zeros((slots,), jnp.int32),
     )
@@ -140,7 +141,7 @@ def page_bytes(config: TargetConfig, drafter: DrafterConfig | None, page_size: i
     cache, context = jax.eval_shape(pools)
 
     def pool_bytes(pools) -> int:
-        return sum(math.prod(x.shape) * x.dtype.itemsize for x in pools)
+        return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves((pools.k, pools.v)))
 
-    drafter_bytes = pool_bytes(context.k + context.v) if isinstance(context, PagedBuffers) else 0
-    return pool_bytes(cache.k + cache.v), drafter_bytes
+    drafter_bytes = pool_bytes(context) if isinstance(context, PagedBuffers) else 0
+    return pool_bytes(cache), drafter_bytes
