@@ -134,3 +134,15 @@ def test_a_target_saved_before_the_layers_were_stacked_loads_stacked(tmp_path):
         _, loaded = load_target(str(tmp_path / name))
         assert stacked_layers(loaded["layers"])
         jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+
+def test_a_seed_gives_each_layer_the_same_weights_whatever_the_depth():
+    """Each layer's weights come from the random stream of its own name: layer 2 of a 3-layer and of a 4-layer
+    target are equal, and the layers differ from each other."""
+    three = init_params(TARGET.replace(num_layers=3, layer_types=TARGET.layer_types[:3]), jax.random.key(7))
+    four = init_params(TARGET, jax.random.key(7))
+    for i in range(3):
+        jax.tree.map(np.testing.assert_array_equal, layer_params(three, i), layer_params(four, i))
+    assert not np.array_equal(
+        layer_params(four, 0)["mlp"]["up_proj"]["kernel"], layer_params(four, 1)["mlp"]["up_proj"]["kernel"]
+    )

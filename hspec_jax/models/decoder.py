@@ -249,27 +249,32 @@ def forward(
     return DecoderOutput(output_logits(params, config, x), hidden, cache)
 
 
+class _InitTree(nn.Module):
+    """The parameter tree of a target with one subtree per layer (`layers_0`, ...), each drawn from the random
+    stream of its name, so that a seed gives the same weights whatever the layers' in-memory layout."""
+
+    config: TargetConfig
+
+    @nn.compact
+    def __call__(self):
+        cfg = self.config
+        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        x = nn.Embed(
+            cfg.vocab_size, cfg.hidden_size, embedding_init=nn.initializers.normal(INIT_STD), **kw, name="embed_tokens"
+        )(jnp.zeros((1, 1), jnp.int32))
+        cache = init_cache(cfg.replace(num_layers=1, layer_types=cfg.layer_types[:1], scan_layers=False), 1, 1)
+        zero = jnp.zeros((1, 1), jnp.int32)
+        for i in range(cfg.num_layers):
+            DecoderLayer(cfg, name=f"layers_{i}")(x, zero, cache, 0, zero[:, 0])
+        RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="norm")(x)
+        if not cfg.tie_word_embeddings:
+            self.param("lm_head", nn.initializers.normal(INIT_STD), (cfg.vocab_size, cfg.hidden_size), cfg.param_dtype)
+
+
 def init_params(config: TargetConfig, rng: jax.Array) -> dict:
     """Randomly initialised target parameters (HF-style N(0, 0.02) linears and embeddings, unit norms), the
     layers stacked on a leading axis: `{"embed_tokens", "layers", "norm"[, "lm_head"]}`."""
-    embed_rng, head_rng, layers_rng = jax.random.split(rng, 3)
-    shape = (config.vocab_size, config.hidden_size)
-    params = {
-        "embed_tokens": {"embedding": INIT_STD * jax.random.normal(embed_rng, shape, config.param_dtype)},
-        "layers": jax.vmap(lambda r: _init_layer(config, r))(jax.random.split(layers_rng, config.num_layers)),
-        "norm": {"scale": jnp.ones((config.hidden_size,), config.param_dtype)},
-    }
-    if not config.tie_word_embeddings:
-        params["lm_head"] = INIT_STD * jax.random.normal(head_rng, shape, config.param_dtype)
-    return params
-
-
-def _init_layer(config: TargetConfig, rng: jax.Array) -> dict:
-    """One decoder layer's randomly initialised parameters."""
-    cache = init_cache(config.replace(num_layers=1, layer_types=config.layer_types[:1], scan_layers=False), 1, 1)
-    x = jnp.zeros((1, 1, config.hidden_size), config.dtype)
-    zero = jnp.zeros((1, 1), jnp.int32)
-    return DecoderLayer(config).init(rng, x, zero, cache, 0, zero[:, 0])["params"]
+    return stack_layers(_InitTree(config).init(rng)["params"], config.num_layers)
 
 
 def param_shapes(config: TargetConfig) -> dict:
@@ -280,7 +285,12 @@ def param_shapes(config: TargetConfig) -> dict:
 
 @functools.lru_cache(maxsize=16)
 def _param_shapes(config: TargetConfig) -> dict:
-    return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    """Every decoder layer has the same parameters (a sliding window changes none), so one layer is traced and its
+    shapes given a leading layer axis: SmolLM2's in 0.1 s instead of 1.5 s for all 30."""
+    one = config.replace(num_layers=1, layer_types=config.layer_types[:1])
+    shapes = jax.eval_shape(lambda: init_params(one, jax.random.key(0)))
+    stack = lambda x: jax.ShapeDtypeStruct((config.num_layers, *x.shape[1:]), x.dtype)
+    return {**shapes, "layers": jax.tree.map(stack, shapes["layers"])}
 
 
 def per_layer_names(params: dict, num_layers: int) -> dict:
