@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import jax.numpy as jnp
 import numpy as np
+from peaked import peaked
 
 from hspec_jax.decoding import generate, pad_batch
 from hspec_jax.decoding.bundle import Bundle
@@ -26,7 +27,7 @@ from hspec_jax.recipes import drafter_from_recipe, load_config, target_config
 assert jax.device_count() == 8, jax.devices()
 recipe = load_config("configs/tiny.py")
 target = target_config(recipe)
-params = jax.tree.map(lambda x: x * 4.0 if x.ndim == 2 else x, init_params(target, jax.random.key(0)))
+params = peaked(init_params(target, jax.random.key(0)), 4.0)
 rng = np.random.default_rng(0)
 prompts = [list(rng.integers(4, target.vocab_size, n)) for n in (5, 11, 8, 3, 9, 6, 12, 4)]
 tokens, lengths = pad_batch(prompts)

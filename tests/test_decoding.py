@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from peaked import peaked
 
 from hspec_jax.decoding import SamplingConfig, generate, pad_batch
 from hspec_jax.decoding.autoregressive import decode, prefill
@@ -31,7 +32,7 @@ forward = jax.jit(eager_forward, static_argnums=1)
 def tiny():
     """A tiny random target with peaked (large-norm) weights so greedy choices are far from ties."""
     params = init_params(TINY, jax.random.key(1))
-    params = jax.tree.map(lambda x: x * 6.0 if x.ndim == 2 else x, params)
+    params = peaked(params, 6.0)
     return TINY, params
 
 

@@ -238,12 +238,17 @@ def forward(
     for tap in taps:
         if not 0 <= tap <= config.num_layers:
             raise ValueError(f"tap id {tap} out of range 0..{config.num_layers}")
+    with jax.named_scope("Decoder"):  # op names for profiles: `Decoder/...`, each layer's `DecoderLayer/...`
+        return _forward(params, config, tokens, cache, tuple(taps), logit_indices, positions)
+
+
+def _forward(params, config, tokens, cache, taps, logit_indices, positions) -> DecoderOutput:
     starts = cache.lengths
     rows = starts[:, None] + jnp.arange(tokens.shape[1])[None, :]
     doc_starts = None if positions is None else rows - positions
     positions = rows if positions is None else positions
     x = jnp.take(embedding_matrix(params), tokens, axis=0).astype(config.dtype)
-    x, hidden, cache = run_layers(params, config, x, positions, cache, starts, doc_starts, tuple(taps))
+    x, hidden, cache = run_layers(params, config, x, positions, cache, starts, doc_starts, taps)
     if logit_indices is not None:
         x = jnp.take_along_axis(x, logit_indices[:, :, None], axis=1)
     return DecoderOutput(output_logits(params, config, x), hidden, cache)
