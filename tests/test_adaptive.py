@@ -338,10 +338,21 @@ def test_costs_are_measured_once_per_machine_and_shape(tmp_path, monkeypatch):
     np.testing.assert_allclose(first, [1.0, 1.3, 1.3], rtol=1e-6)  # never cheaper for a longer draft
     again = cost_model.step_costs(shape, (0, 1, 3), measure)
     np.testing.assert_allclose(again, first)
-    assert calls == [0, 1, 2]
+    assert calls == [0, 1, 2, 1, 2, 0, 2, 0, 1]  # interleaved rounds, the order rotated
     assert len(list((tmp_path / "hspec_jax" / "costs").glob("*.json"))) == 1
     cost_model.step_costs({**shape, "batch": 2}, (0, 1, 3), measure)
-    assert len(calls) == 6
+    assert len(calls) == 18
+
+
+def test_each_choice_keeps_its_fastest_interleaved_reading():
+    """A burst of noise during one round slows one reading of each choice, not the table."""
+    readings = iter([9.0, 9.0, 9.0, 2.0, 3.0, 1.0, 3.1, 1.1, 2.1])  # round 1 (choices 0, 1, 2) is noisy
+    assert cost_model.interleaved(3, lambda i: next(readings)) == [1.0, 2.0, 3.0]
+
+
+def test_one_table_serves_every_cache_size_of_a_bucket():
+    shape = lambda capacity: cost_model.engine_shape("t", "d", "s", 1, capacity)
+    assert shape(80) == shape(100) == shape(128) != shape(129)
 
 
 def test_speculative_generate_measures_costs_when_not_given(tmp_path, monkeypatch, target_params, prompts):

@@ -1,9 +1,14 @@
 """The adaptive policy's cost model: T(k) / T(0) per draft-length choice, measured on this device.
 
 A step's cost depends on the machine (CPU model or accelerator kind), the target, the drafter and its k, the
-batch and the cache size. `step_costs` measures it the first time that shape runs (timing a few steps of the
-compiled loop pinned to each choice, `policy.pinned_costs`) and caches the table as JSON under
-`$XDG_CACHE_HOME/hspec_jax/costs/` (default `~/.cache/...`), one file per machine and shape.
+batch and, a little, the cache size. `step_costs` measures it the first time that shape runs (timing a few steps
+of the compiled loop pinned to each choice, `policy.pinned_costs`) and caches the table as JSON under
+`$XDG_CACHE_HOME/hspec_jax/costs/` (default `~/.cache/...`), one file per machine and shape, cache sizes bucketed
+to powers of two (one table serves every prompt length of a run, not one each).
+
+A table is a measurement: the choices are timed in interleaved rounds (every round visits every choice, the order
+rotated) and each choice keeps its fastest reading. Noise only ever adds time, and a burst of it (another process,
+a page-fault storm after compiling) then hits one reading of every choice rather than all readings of one.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ def engine_shape(target, drafter, sampling, batch: int, capacity: int) -> dict:
         "drafter": digest(drafter),
         "sampling": repr(sampling),
         "batch": batch,
-        "capacity": capacity,
+        "capacity_bucket": 1 << max(capacity - 1, 1).bit_length(),
     }
 
 
@@ -58,16 +63,30 @@ def relative(seconds: list[float]) -> np.ndarray:
     return np.maximum.accumulate(seconds / seconds[0]).astype(np.float32)
 
 
+ROUNDS = 3  # interleaved rounds of a measurement
+
+
+def interleaved(count: int, measure: Callable[[int], float], rounds: int = ROUNDS) -> list[float]:
+    """Each of `count` choices' fastest of `rounds` readings `measure(i) -> seconds`, the rounds interleaved (round r
+    visits the choices starting from r mod count)."""
+    readings = [[] for _ in range(count)]
+    for r in range(rounds):
+        for i in (*range(r % count, count), *range(r % count)):
+            readings[i].append(measure(i))
+    return [min(values) for values in readings]
+
+
 def step_costs(shape: dict, choices: tuple[int, ...], measure: Callable[[int], float]) -> np.ndarray:
     """The cost table `[C]` for `choices` on this machine and `shape`: read from the cache, else measured with
-    `measure(choice_index) -> seconds per step` and written there."""
+    `measure(choice_index) -> seconds per step` in `ROUNDS` interleaved rounds (`interleaved`) and written there."""
     path = cache_path({**shape, "choices": list(choices)})
     if path.exists():
         record = json.loads(path.read_text())
         return np.asarray(record["costs"], np.float32)
-    costs = relative([measure(i) for i in range(len(choices))])
+    seconds = interleaved(len(choices), measure)
+    costs = relative(seconds)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"machine": machine(), **shape, "choices": list(choices), "costs": costs.tolist()}
+    record = {"machine": machine(), **shape, "choices": list(choices), "seconds": seconds, "costs": costs.tolist()}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1))
     tmp.replace(path)
@@ -77,16 +96,18 @@ def step_costs(shape: dict, choices: tuple[int, ...], measure: Callable[[int], f
 MEASURED_STEPS = 8  # steps per timed run (fewer than a policy's probe_every, so a pinned plain run never probes)
 
 
-def time_steps(start: Callable[[], tuple], run: Callable[[tuple], tuple], repeats: int = 5) -> float:
+def time_steps(
+    start: Callable[[], tuple], run: Callable[[tuple], tuple], repeats: int = 2, warm_up: bool = True
+) -> float:
     """Seconds per loop step: the fastest of `repeats` runs of `run(start())` (start untimed; the carry's first
-    element is the loop state, whose `step` counts the steps run), after one untimed warm-up."""
+    element is the loop state, whose `step` counts the steps run), after one untimed warm-up if `warm_up`."""
     best = float("inf")
-    for attempt in range(repeats + 1):
+    for attempt in range(repeats + warm_up):
         carry = jax.block_until_ready(start())
         first = int(carry[0].step)
         began = time.perf_counter()
         carry = jax.block_until_ready(run(carry))
         elapsed = time.perf_counter() - began
-        if attempt:
+        if attempt or not warm_up:
             best = min(best, elapsed / max(int(carry[0].step) - first, 1))
     return best

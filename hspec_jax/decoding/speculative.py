@@ -553,9 +553,13 @@ def measure_costs(
     """The policy's cost table `[C]` for this machine and `shape` (`costs.engine_shape`), cached or measured:
     `prefill(costs)` starts a fresh loop (new caches) with a cost table, `chunk(carry, steps)` runs it on."""
     steps = min(cost_model.MEASURED_STEPS, policy.probe_every - 1) or 1
+    warm = set()
 
     def measure(index: int) -> float:
-        return cost_model.time_steps(lambda: prefill(pinned_costs(policy, index)), lambda carry: chunk(carry, steps))
+        start = lambda: prefill(pinned_costs(policy, index))
+        seconds = cost_model.time_steps(start, lambda c: chunk(c, steps), repeats=1, warm_up=index not in warm)
+        warm.add(index)
+        return seconds
 
     return cost_model.step_costs(shape, policy.choices, measure)
 
