@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 # Top-level folders the development machines kept their checkouts, runs, scratch files and homes in.
-MACHINE_ROOTS = ("work", "tmp", "root", "home", "mnt", "scratch")
+MACHINE_ROOTS = ("work", "tmp", "root", "home")
 # `/ROOT/` where it starts a path: not after a character that belongs to a URL, a word, a path or a variable.
 PATTERN = re.compile(r"(?<![\w.~$%/:@+-])/(?:" + "|".join(MACHINE_ROOTS) + r")/[^\s\"'`)\]}>,;|]*")
 # Data sets whose text is someone else's words (conversations, evaluation prompts), quoted verbatim.

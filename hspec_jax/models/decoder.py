@@ -213,12 +213,15 @@ def forward(
     logit_indices: jax.Array | None = None,
     positions: jax.Array | None = None,
 ) -> DecoderOutput:
-    """Pure-function form of `Decoder(config)`: see the module docstring."""
+    """Pure-function form of `Decoder(config)` (module docstring): tokens `[B, T]` placed at rows
+    `cache.lengths[b]..` (or at `positions [B, T]`), their K/V rows written into `cache` (not committed) ->
+    `DecoderOutput`: fp32 logits `[B, T, V]` (or `[B, len(logit_indices), V]`), `hidden` one `[B, T, D]` per tap id
+    in `taps`, and the cache."""
     return Decoder(config).apply({"params": params}, tokens, cache, taps, logit_indices, positions)
 
 
 def init_params(config: TargetConfig, rng: jax.Array) -> dict:
-    """Randomly initialised target parameters (HF-style N(0, 0.02) linears, unit norms)."""
+    """Randomly initialised target parameters, a nested dict (HF-style N(0, 0.02) linears, unit norms)."""
     cache = init_cache(config, 1, 1)
     return Decoder(config).init(rng, jnp.zeros((1, 1), jnp.int32), cache)["params"]
 

@@ -73,7 +73,8 @@ class KVCache(KVBuffers):
 
 
 def init_cache(config: TargetConfig, batch_size: int, capacity: int, dtype=None) -> KVCache:
-    """An empty cache of `capacity` rows per sequence, in `dtype` (default: the config's compute dtype)."""
+    """An empty cache of `capacity` rows per sequence, in `dtype` (default: the config's compute dtype): per layer
+    k and v `[B, S, K, H]` (B = `batch_size`, S = `capacity`), committed `lengths [B]` all 0."""
     dtype = dtype or config.dtype
     shape = (batch_size, capacity, config.num_kv_heads, config.head_dim)
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
