@@ -1,6 +1,6 @@
 # Two entry points, each self-installing into .venv:
 #   make demo   installs everything and runs the main job on the embedded SmolLM2 target
-#   make test   installs everything and runs ruff, then the whole test suite
+#   make test   installs everything and runs make lint (ruff, no machine paths), then the whole test suite
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -26,9 +26,11 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m eval.generate --target smollm2 --max-new-tokens 64 --prompt "$(DEMO_PROMPT)" \
 		--drafter smollm2-hspec --compare --k auto --repeats 3
 
+# ruff, then no absolute path of a development machine in tracked text (scripts/check_paths.py names FILE:LINE).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) scripts/check_paths.py
 
 # One pytest worker per core; tests/conftest.py groups the tests (whole files per worker, the multi-device and
 # multi-process tests one at a time) and shares one compilation cache between workers and subprocesses.

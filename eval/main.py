@@ -1,7 +1,7 @@
 """Evaluate drafters: tau, per-position acceptance and wall-clock speedup over plain decoding on eight tasks.
 
     python -m eval.main --target smollm2 --drafter random:hspec --drafter random:dspark --num-prompts 4 \\
-        --out /tmp/eval-smoke
+        --out runs/eval-smoke
 
 For every prompt of the chosen tasks (`hspec_jax.prompts`: math, qa, dialogue, rag, summarization, translation, code,
 tool_use), plain decoding and then each drafter generate up to `--max-new-tokens` tokens per turn, in one
@@ -51,6 +51,7 @@ from hspec_jax.cli import (
     ArgumentParser,
     check_output_dir,
     parse_ks,
+    portable,
     positive_int,
     run,
     use_compile_cache,
@@ -153,7 +154,7 @@ def load_methods(
         params, vocab = load_drafter(spec, config, target.params, prompt_ids)
         for k in ks or (None,):
             sized = config.with_drafts(k) if isinstance(k, int) else config
-            name = spec if k is None else f"{spec} k={k}"
+            name = portable(spec) if k is None else f"{portable(spec)} k={k}"
             policy = AdaptivePolicy.for_drafts(config.num_drafts) if k == AUTO else None
             methods.append(Method(name, (sized, params, vocab), sized.num_drafts + 1, policy))
     return methods
@@ -373,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
     meta = {
-        "command": "python -m eval.main " + shlex.join(argv),
+        "command": portable("python -m eval.main " + shlex.join(argv)),
         "target": target.name,
         "machine": machine_facts(target.config.dtype),
         "settings": {

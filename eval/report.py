@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eval.bootstrap import paired_bootstrap
+from hspec_jax.cli import ArgumentParser
 from hspec_jax.prompts import TASKS
 
 PLAIN = "plain"
@@ -421,11 +422,9 @@ def plot(out_dir: str, drafters: list[str], tasks: list[str], by: dict, overall:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m eval.report DIR", file=sys.stderr)
-        return 1
-    out_dir = argv[0]
+    parser = ArgumentParser(prog="python -m eval.report", description=__doc__.split("\n")[0])
+    parser.add_argument("dir", help="an evaluation directory: its report.md and plots are rewritten")
+    out_dir = parser.parse_args(sys.argv[1:] if argv is None else argv).dir
     try:
         with open(os.path.join(out_dir, "results.jsonl")) as f:
             rows = [json.loads(line) for line in f if line.strip()]

@@ -3,7 +3,7 @@
     python -m eval.serving --target smollm2 --drafter runs/smollm2-hspec/drafter --concurrency 1,2,4,8,16,32 \\
         --requests 64 --out benchmarks/results/serving_smollm2
     python -m eval.serving --target random:tiny --drafter random:hspec --drafter random:dflash --concurrency 1,4 \\
-        --requests 8 --max-new-tokens 16 --memory-budget 400KiB --out /tmp/serving-tiny
+        --requests 8 --max-new-tokens 16 --memory-budget 400KiB --out runs/serving-tiny
 
 For each method (plain decoding, then each `--drafter`, at each `--k`: e.g. `--k auto,7`, auto choosing the draft
 length per step, its step costs measured once per machine and concurrency on the contiguous-cache loop of that
@@ -61,6 +61,7 @@ from hspec_jax.cli import (
     non_negative_float,
     non_negative_int,
     parse_ks,
+    portable,
     positive_int,
     run,
     use_compile_cache,
@@ -430,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
     meta = {
-        "command": "python -m eval.serving " + shlex.join(argv),
+        "command": portable("python -m eval.serving " + shlex.join(argv)),
         "target": target.name,
         "machine": machine_facts(target.config.dtype, bandwidth=False),
         "settings": {

@@ -40,6 +40,14 @@ def use_compile_cache(directory: str | None) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
+def portable(text: str, base: str | None = None) -> str:
+    """`text` with the absolute path of the current directory (or of `base`) taken off every path under it, so that a
+    command or a drafter name recorded in a result reads the same on any machine: run from a clone at CLONE,
+    `--out CLONE/runs/x` is recorded as `--out runs/x`. Other paths are kept as given."""
+    base = os.path.abspath(base or os.getcwd())
+    return text if base == os.sep else text.replace(base + os.sep, "")
+
+
 def usage_error(prog: str, message: str) -> str:
     """The one line for a malformed argument (printed with exit status 2)."""
     return f"error: {message} (see {prog} --help)\n"

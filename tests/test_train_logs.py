@@ -1,5 +1,6 @@
-"""What `train.main` logs for TensorBoard: scalars grouped as `train/` and `eval/`, in event files that
-TensorBoard's own protocol buffers (tensorboardX's copies) read back, checksums included."""
+"""What `train.main` logs for TensorBoard: scalars grouped as `train/` and `eval/`, in event files that an
+independent reader (tensorboardX's protocol buffers and CRC-32C, not the tensorboard package that wrote them) reads
+back, checksums included."""
 
 import os
 import struct
@@ -9,7 +10,6 @@ from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.record_writer import masked_crc32c
 
 from train.loop import MetricsLog, scalar_tag
-from train.tensorboard import crc32c
 
 
 def read_events(path):
@@ -39,11 +39,6 @@ def test_tensorboard_groups_training_and_held_out_scalars():
         "eval/heldout_acc_1",
         "eval/heldout_sim_accept_len",
     ]
-
-
-def test_crc32c_check_value():
-    assert crc32c(b"123456789") == 0xE3069283  # the published check value of CRC-32C
-    assert crc32c(b"") == 0
 
 
 def test_event_files_read_back_with_each_step_s_scalars(tmp_path):

@@ -34,6 +34,7 @@ from hspec_jax.checkpoints.drafter_io import (
     save_drafter,
     target_lm_head,
 )
+from hspec_jax.cli import portable
 from hspec_jax.decoding import pad_batch
 from hspec_jax.decoding.bundle import Bundle
 from hspec_jax.decoding.speculative import speculative_generate
@@ -53,6 +54,7 @@ from train.targets import load_target_and_tokenizer
 from train.tensorboard import EventWriter
 
 log = logging.getLogger(__name__)
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclasses.dataclass
@@ -352,8 +354,9 @@ def export_drafter(run: Run, params: dict, step: int, metrics: dict) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
     save_drafter(fresh, params, run.drafter, run.vocab, target_rows=rows)
     record = {"step": step, "recipe": run.config.to_dict(), "data": run.data_report, "metrics": metrics}
+    # Data files under the repository are recorded relative to it (`data/...`), as a shipped drafter shows them.
     with open(os.path.join(fresh, "training.json"), "w") as f:
-        json.dump(record, f, indent=2, default=str)
+        f.write(portable(json.dumps(record, indent=2, default=str), REPOSITORY))
     if os.path.exists(final):
         os.replace(final, old)
     os.replace(fresh, final)

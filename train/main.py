@@ -25,7 +25,7 @@ The work directory holds:
                       checkpoint and at the end)
 
 Many processes: start the same command in every process with `--coordinator=HOST:PORT --num_processes=N
---process_id=I` (or on a cluster that `jax.distributed.initialize()` detects by itself); every process
+--process_id=I` (one process per host; `jax.distributed.initialize` is called with exactly these); every process
 reads its own slice of each global batch, and process 0 writes the logs and the exported drafter.
 
 Bad input is one line on stderr, before any data is read or weights loaded: `error: ...` naming the flag,
@@ -61,6 +61,7 @@ flags.DEFINE_string(
     "set-up's and the step's compiled programs instead of compiling them again",
 )
 flags.mark_flags_as_required(["config", "workdir"])
+HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
 
 
 def unknown_field(argv: list[str]) -> str | None:
@@ -89,10 +90,14 @@ def unknown_field(argv: list[str]) -> str | None:
 
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's parsing with one line for a malformed flag, an unknown or ill-typed `--config.` override, or a
-    recipe file that does not load (exit 2)."""
+    recipe file that does not load (exit 2). `--help` prints the flags and exits 0, as the argparse tools do (absl
+    exits 1)."""
     try:
         rest = FLAGS(argv)
         FLAGS.config.keys()  # a recipe file that failed to load raises here
+    except SystemExit as e:
+        asked = any(a.split("=")[0] in HELP_FLAGS for a in argv[1:])
+        sys.exit(0 if asked and e.code == 1 else e.code)
     except (flags.Error, OSError, SyntaxError, AttributeError, KeyError, TypeError, ValueError) as e:
         lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()] or [type(e).__name__]
         message = f"--config: {lines[-1]}" if isinstance(e, OSError) else lines[0]

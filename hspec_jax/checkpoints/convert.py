@@ -1,10 +1,10 @@
 """Convert a target checkpoint to Orbax (default) or to a Hugging Face directory, and drafters in and out of
 the speculators format (what vLLM serves).
 
-python -m hspec_jax.checkpoints.convert --from smollm2 --to /tmp/smollm2-orbax
-python -m hspec_jax.checkpoints.convert --from model.gguf --to /tmp/hf-dir --format hf --dtype bfloat16
-python -m hspec_jax.checkpoints.convert --from runs/x/drafter --to /tmp/spec --format speculators --target smollm2
-python -m hspec_jax.checkpoints.convert --from /tmp/spec --to /tmp/drafter --format drafter --target smollm2
+python -m hspec_jax.checkpoints.convert --from smollm2 --to runs/smollm2-orbax
+python -m hspec_jax.checkpoints.convert --from model.gguf --to runs/smollm2-hf --format hf --dtype bfloat16
+python -m hspec_jax.checkpoints.convert --from runs/x/drafter --to runs/x.spec --format speculators --target smollm2
+python -m hspec_jax.checkpoints.convert --from runs/x.spec --to runs/x-drafter --format drafter --target smollm2
 
 Every argument is checked before any weights are read: the source exists and its config is readable, the
 destination is absent or empty, writable, and has room for the weights. The output directory appears only

@@ -60,7 +60,8 @@ _CONFIG_READERS = {
 
 
 def load_target(spec: str, **config_overrides) -> tuple[TargetConfig, dict]:
-    """(config, params) for any supported target spec."""
+    """(config, params) for any supported target spec: `smollm2`, an HF directory, a `.gguf` file or a converted
+    Orbax directory; params are the nested dict `forward` takes."""
     path, fmt = target_format(spec)
     return _LOADERS[fmt](path, **config_overrides)
 

@@ -347,7 +347,9 @@ def export_speculators(
     dtype=None,
     max_shard_bytes: int | None = None,
 ) -> None:
-    """Write a speculators checkpoint directory (staged: it appears only when complete)."""
+    """Write a speculators checkpoint directory (staged: it appears only when complete). `target_params` supply the
+    verifier's `embed_tokens` and, for params saved without it, the draft lm_head rows; `verifier` is the
+    `name_or_path` recorded for vLLM; `dtype` (e.g. bfloat16) the stored dtype."""
     spec = speculators_config(config, verifier)
     state = speculators_state(params, config, vocab, target_params, dtype)
     limit = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}

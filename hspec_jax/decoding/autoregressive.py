@@ -168,10 +168,11 @@ def generate(
     cache_capacity: int | None = None,
     mesh=None,
 ) -> Generation:
-    """Prefill then decode. `cache_capacity` defaults to the longest prompt plus `max_new_tokens`, and the prompt
-    width is padded, both rounded up to a bucket (`batching.bucketed_shapes`) so that nearby prompt lengths reuse one
-    compiled program. With a `mesh` (`hspec_jax.parallel.make_mesh`), params, batch and cache are sharded and the
-    loop runs SPMD."""
+    """Prefill then decode. prompts `[B, W]` (right-padded), lengths `[B]` -> `Generation` with tokens
+    `[B, max_new_tokens]` valid up to `num_tokens [B]`. `cache_capacity` defaults to the longest prompt plus
+    `max_new_tokens`, and the prompt width is padded, both rounded up to a bucket (`batching.bucketed_shapes`) so that
+    nearby prompt lengths reuse one compiled program. With a `mesh` (`hspec_jax.parallel.make_mesh`), params, batch
+    and cache are sharded and the loop runs SPMD."""
     longest = int(jnp.max(lengths))
     width, capacity = bucketed_shapes(longest, prompts.shape[1], 0, max_new_tokens, cache_capacity)
     check_capacity(jax.device_get(lengths), 0, capacity)

@@ -609,7 +609,9 @@ def speculative_generate(
     costs: jax.Array | None = None,
     prior: Prior | None = None,
 ) -> SpecGeneration:
-    """Prefill, then draft-and-verify with `bundle`'s drafter until done. `cache_capacity` defaults to the longest
+    """Prefill, then draft-and-verify with `bundle`'s drafter until done. prompts `[B, W]` (right-padded), lengths
+    `[B]` -> `SpecGeneration`: tokens `[B, max_new_tokens]` (valid up to `num_tokens [B]`), `stats` (`SpecStats`),
+    the caches and, with a policy, the learnt `prior`. `cache_capacity` defaults to the longest
     prompt plus `max_new_tokens` plus one block, so the cache never stops a sequence before `max_new_tokens`; it and
     the prompt width are rounded up to a bucket (`batching.bucketed_shapes`). With a `mesh`, both models' params, the
     batch and the caches are sharded and the whole loop runs SPMD. With an adaptive `policy` the draft length changes

@@ -53,7 +53,8 @@ def _example_inputs(config: DrafterConfig) -> DraftInputs:
 
 
 def init_drafter(config: DrafterConfig, rng: jax.Array) -> dict:
-    """Randomly initialised drafter parameters (the frozen pieces get real values from `init_from_target`)."""
+    """Randomly initialised drafter parameters, a nested dict (the frozen pieces get real values from
+    `init_from_target`). `rng`: a `jax.random.key`."""
     inputs = _example_inputs(config)
     embeds = inputs.embedding[inputs.block_tokens]
     params = drafter_module(config).init(rng, embeds, inputs)["params"]
@@ -92,8 +93,10 @@ COPIED_FROM_TARGET = ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm")
 
 
 def init_from_target(params: dict, config: DrafterConfig, target_params: dict, vocab: DraftVocab) -> dict:
-    """Copy what the drafter takes from the target: the draft lm_head rows, and for every attention layer that
-    reads a target layer's KV cache, that layer's q/k/v projections (and q/k norms) so block keys match."""
+    """Copy what the drafter takes from the target: the draft lm_head rows (`[Vd, D]`, the target's lm_head rows of
+    `vocab`'s tokens), and for every attention layer that reads a target layer's KV cache, that layer's q/k/v
+    projections (and q/k norms) so block keys match. Returns new params (copies: the target's buffers are not
+    shared); `vocab` must have the config's Vd tokens over the target's V."""
     if vocab.size != config.vocab_size or vocab.t2d.shape[0] != config.target.vocab_size:
         raise ValueError(
             f"draft vocabulary of {vocab.size} tokens over {vocab.t2d.shape[0]} does not match the config "
@@ -149,8 +152,9 @@ def draft_block(
     inject_rows: tuple | None = None,
     prev_tokens: jax.Array | None = None,
 ) -> DraftOutput:
-    """`draft_blocks` with one block per sequence (A = 1), as the engine drafts. block_tokens `[B, T]`
-    ([anchor, MASK...]); anchors `[B]` (slot-0 rows = committed lengths); seed_hidden `[B, F*D]`; prev_tokens
+    """`draft_blocks` with one block per sequence (A = 1), as the engine drafts. embedding `[V, D]` (the target's
+    table); block_tokens `[B, T]` ([anchor, MASK...]); anchors `[B]` (slot-0 rows = committed lengths);
+    seed_hidden `[B, F*D]` (fused taps of row anchor - 1); prev_tokens
     `[B, T]`; the caches and `inject_rows` as in `DraftInputs`. Returns a `DraftOutput` `[B, T, ...]`."""
     add_block_axis = lambda x: None if x is None else x[:, None]
     inputs = DraftInputs(

@@ -230,11 +230,12 @@ def forward(
     logit_indices: jax.Array | None = None,
     positions: jax.Array | None = None,
 ) -> DecoderOutput:
-    """The decoder on tokens `[B, T]` int (see the module docstring for the call contract and tap convention);
-    `logit_indices [B, P]` (optional) picks the positions to compute logits at; `positions [B, T]` (optional,
-    training on packed rows): each token's position within its document, which starts at row `row - position`:
-    RoPE uses it and no token attends across documents. `params["layers"]` is the stacked layer tree (or, as
-    placement gives it on CPU, a tuple of per-layer trees)."""
+    """The decoder (module docstring): tokens `[B, T]` placed at rows `cache.lengths[b]..`, their K/V rows written
+    into `cache` (not committed) -> `DecoderOutput`: fp32 logits `[B, T, V]` (or `[B, P, V]` at `logit_indices
+    [B, P]`), `hidden` one `[B, T, D]` per tap id in `taps`, and the cache. `positions [B, T]` (optional, training
+    on packed rows): each token's position within its document, which starts at row `row - position`: RoPE uses
+    it and no token attends across documents. `params["layers"]` is the stacked layer tree (or, as placement
+    gives it on CPU, a tuple of per-layer trees)."""
     for tap in taps:
         if not 0 <= tap <= config.num_layers:
             raise ValueError(f"tap id {tap} out of range 0..{config.num_layers}")

@@ -104,8 +104,9 @@ class KVCache(KVBuffers):
 
 
 def init_cache(config: TargetConfig, batch_size: int, capacity: int, dtype=None) -> KVCache:
-    """An empty cache of `capacity` rows per sequence, in `dtype` (default: the config's compute dtype), its
-    layers stacked when the config's decoder scans them."""
+    """An empty cache of `capacity` rows per sequence, in `dtype` (default: the config's compute dtype): per layer
+    k and v `[B, S, K, H]` (B = `batch_size`, S = `capacity`; stacked `[L, B, S, K, H]` when the config's decoder
+    scans its layers), committed `lengths [B]` all 0."""
     dtype = dtype or config.dtype
     shape = (batch_size, capacity, config.num_kv_heads, config.head_dim)
     return KVCache(
