@@ -50,7 +50,7 @@ import time
 import jax
 import numpy as np
 
-from eval.main import Method, Target, load_eval_target, load_methods
+from eval.main import Method, load_methods
 from eval.report import PLAIN, fmt
 from hspec_jax.cli import (
     DEFAULT_COMPILE_CACHE,
@@ -64,13 +64,12 @@ from hspec_jax.cli import (
     positive_int,
     run,
 )
-from hspec_jax.decoding import Bundle, SamplingConfig, bucket, pad_batch
-from hspec_jax.decoding.bundle import init_caches
-from hspec_jax.decoding.speculative import adaptive_costs
+from hspec_jax.decoding import Bundle, SamplingConfig
 from hspec_jax.errors import InputError
 from hspec_jax.machine import machine_facts
 from hspec_jax.prompts import load_prompts, parse_tasks
-from hspec_jax.serving import Completion, Request, ServingConfig, ServingEngine, page_bytes, pages_for
+from hspec_jax.serving import Completion, Request, ServingConfig, ServingEngine, engine_costs, page_bytes, pages_for
+from hspec_jax.target_spec import Target, load_target_spec
 
 ARRIVALS = ("closed", "poisson")
 PLOTS = {
@@ -142,24 +141,11 @@ def served(target: Target, method: Method) -> Bundle:
 
 
 def policy_costs(bundle: Bundle, method: Method, slots: int, prompt: list[int], args):
-    """The adaptive policy's cost table at `slots` sequences (None for a fixed k): cached, or measured on the
-    contiguous-cache loop at that batch, every sequence answering `prompt`."""
+    """The adaptive policy's cost table at `slots` sequences (None for a fixed k): `engine_costs`."""
     if method.policy is None:
         return None
-    tokens, lengths = pad_batch([prompt] * slots, 0, bucket(len(prompt)))
-    capacity = bucket(tokens.shape[1] + args.max_new_tokens + bundle.lookahead)
     sampling = SamplingConfig(temperature=args.temperature)
-    return adaptive_costs(
-        bundle,
-        tokens,
-        lengths,
-        lambda: init_caches(bundle, slots, capacity),
-        capacity,
-        jax.random.key(args.seed),
-        policy=method.policy,
-        max_new_tokens=args.max_new_tokens,
-        sampling=sampling,
-    )
+    return engine_costs(bundle, method.policy, slots, prompt, args.max_new_tokens, sampling, args.seed)
 
 
 def pool_pages(bundle: Bundle, args, slots: int, max_prompt: int) -> int:
@@ -407,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_args(args)
     try:
-        target = load_eval_target(args.target, args.recipe, args.seed)
+        target = load_target_spec(args.target, args.recipe, args.seed)
         prompts = request_prompts(target, args.tasks, args.requests)
         methods = load_methods(target, args.drafter, prompts, args.k)
     except (ValueError, FileNotFoundError) as e:  # InputError and CheckpointError are ValueErrors too

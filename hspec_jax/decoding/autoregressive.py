@@ -155,9 +155,7 @@ def decode(
 ) -> Generation:
     """Continue from `first_token [B]` (already generated, not yet in the cache) on device, to the end."""
     state = start_decode(cache, first_token, rng, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
-    state, cache = decode_steps(
-        params, config, state, cache, max_new_tokens, max_new_tokens, sampling, eos_ids, pad_id
-    )
+    state, cache = decode_steps(params, config, state, cache, max_new_tokens, max_new_tokens, sampling, eos_ids, pad_id)
     return Generation(state.tokens, state.num, cache)
 
 

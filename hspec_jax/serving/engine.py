@@ -57,10 +57,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from hspec_jax.decoding.autoregressive import decode_steps, prefill_unjitted, start_decode
+from hspec_jax.decoding.batching import bucket, pad_batch
 from hspec_jax.decoding.bundle import Bundle, init_caches
 from hspec_jax.decoding.policy import AdaptivePolicy, first_prior
 from hspec_jax.decoding.sampling import RowSampling, SamplingConfig
-from hspec_jax.decoding.speculative import SpecStats, spec_prefill_unjitted, spec_steps
+from hspec_jax.decoding.speculative import SpecStats, adaptive_costs, spec_prefill_unjitted, spec_steps
 from hspec_jax.drafters.config import check_target
 from hspec_jax.models.kv_cache import KVBuffers
 from hspec_jax.serving.allocator import PageAllocator, pages_for
@@ -256,6 +257,26 @@ def decode_slots(
         return state, cache, context
     state = state._replace(step=jnp.int32(0))
     return spec_steps(bundle, state, cache, context, steps, *loop, policy)
+
+
+def engine_costs(
+    bundle: Bundle, policy: AdaptivePolicy, slots: int, prompt: list[int], max_new_tokens: int, sampling, seed: int = 0
+) -> np.ndarray:
+    """The adaptive policy's cost table for an engine of `slots` slots: cached per machine and shape, or measured on
+    the contiguous-cache loop at that batch, every sequence answering `prompt`."""
+    tokens, lengths = pad_batch([prompt] * slots, 0, bucket(len(prompt)))
+    capacity = bucket(tokens.shape[1] + max_new_tokens + bundle.lookahead)
+    return adaptive_costs(
+        bundle,
+        tokens,
+        lengths,
+        lambda: init_caches(bundle, slots, capacity),
+        capacity,
+        jax.random.key(seed),
+        policy=policy,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+    )
 
 
 class ServingEngine:
