@@ -268,7 +268,18 @@ class Frontend:
         return Job(request, params.max_tokens, asyncio.get_running_loop())
 
     async def _events(self, job: Job, params, answer: Answer, text: TextStream, close) -> AsyncIterator[bytes]:
-        """The server-sent events of a streamed request."""
+        """The server-sent events of a streamed request; a failure on the way (a bug) ends them with an error
+        event instead of a broken connection."""
+        try:
+            async for event in self._stream(job, params, answer, text, close):
+                yield event
+        except Exception as e:
+            log.exception("error while streaming %s", job.request.id)
+            self.metrics.refused("error")
+            yield sse(APIError(500, f"internal error: {type(e).__name__}").body())
+            yield DONE
+
+    async def _stream(self, job: Job, params, answer: Answer, text: TextStream, close) -> AsyncIterator[bytes]:
         options = params.stream_options
         continuous = options is not None and options.continuous_usage_stats
         prompt_tokens, sent = len(job.request.prompt), 0

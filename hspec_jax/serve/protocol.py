@@ -260,8 +260,8 @@ class Response:
         """The non-streamed response (`token_ids`: (prompt ids, answer ids) when asked for)."""
         body = self._envelope(False) | {"choices": [self._choice(text, finish_reason, False)], "usage": counts}
         if token_ids is not None:
-            body["prompt_token_ids"] = list(token_ids[0])
-            body["choices"][0]["token_ids"] = list(token_ids[1])
+            body["prompt_token_ids"] = [int(t) for t in token_ids[0]]
+            body["choices"][0]["token_ids"] = [int(t) for t in token_ids[1]]
         return body
 
     def chunk(self, text: str | None, finish_reason: str | None = None, counts=None, role=False, token_ids=None):
@@ -270,7 +270,7 @@ class Response:
         if counts is not None:
             body["usage"] = counts
         if token_ids is not None:
-            body["choices"][0]["token_ids"] = list(token_ids)
+            body["choices"][0]["token_ids"] = [int(t) for t in token_ids]
         return body
 
     def usage_chunk(self, counts: dict) -> dict:
