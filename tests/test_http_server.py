@@ -93,7 +93,8 @@ def sse_events(response: httpx.Response) -> list:
 def tiny():
     server = Server(
         *("--target", "random:tiny", "--drafter", "random:hspec", "--k", "2", "--slots", "4", "--max-queue", "12"),
-        *("--max-tokens", str(LONG), "--max-prompt-tokens", "128", "--steps-per-iteration", "1", "--drain-seconds", "1"),
+        *("--max-tokens", str(LONG), "--max-prompt-tokens", "128", "--steps-per-iteration", "1"),
+        *("--drain-seconds", "1"),
     )
     yield server
     server.stop()
