@@ -31,6 +31,13 @@ class Target(NamedTuple):
     recipe: str | None  # recipe file for random:<kind> drafters
 
 
+def load_encoder(spec: str) -> ChatEncoder:
+    """The chat encoder of a target spec alone (its tokenizer, folded for a random target), without its weights."""
+    if spec.startswith(RANDOM):
+        return ChatEncoder(load_tokenizer("smollm2"), target_config(load_config(spec.removeprefix(RANDOM))).vocab_size)
+    return ChatEncoder(load_tokenizer(spec))
+
+
 def load_target_spec(spec: str, recipe: str | None, seed: int) -> Target:
     """The target, its chat encoder and stop ids, from a checkpoint spec or `random:<recipe>` (weights from
     `seed`); `recipe` builds random drafters (default: the random target's own recipe, or smollm2's for smollm2)."""
