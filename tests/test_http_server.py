@@ -24,13 +24,14 @@ import numpy as np
 import openai
 import pytest
 
+from hspec_jax.cli import run
 from hspec_jax.decoding import generate, pad_batch
 from hspec_jax.target_spec import load_target_spec
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 READY_SECONDS = 600  # loading, compiling and warming up, on two shared cores
 MAX_TOKENS = 12  # the answers compared with offline decoding
-LONG = 256  # the server's token limit: a long request
+LONG = 128  # the server's token limit: a long request
 PROMPTS = [
     "Why is the sky blue?",
     "Name three prime numbers.",
@@ -328,7 +329,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", "greater than 0"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "10"}, 400, "max_tokens", "valid integer"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens", "at most 256"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens", "at most 128"),
     ("/v1/completions", {"prompt": "hi", "seed": 1.5}, 400, "seed", "valid integer"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream", "valid boolean"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "not supported"),
@@ -391,6 +392,29 @@ def test_metrics_report_latencies_and_speculation(tiny):
     assert m['hspec_spec_draft_reached_total{position="1"}'] >= m['hspec_spec_draft_reached_total{position="2"}']
     assert 0 <= m['hspec_spec_acceptance_rate{position="1"}'] <= 1
     assert m['hspec_spec_draft_length_chosen_total{k="2"}'] == m["hspec_spec_steps_total"]
+
+
+def test_eval_serving_drives_the_server_over_http(tiny, tmp_path, capsys):
+    """`eval.serving --url`: closed-loop clients at two concurrencies, every request answered, the latencies and the
+    server's tau reported; settings the server cannot honour are refused before any work."""
+    from eval import serving as eval_serving
+
+    out = tmp_path / "http"
+    argv = ["--url", tiny.url, "--tasks", "qa,math", "--requests", "6", "--concurrency", "1,3"]
+    assert eval_serving.main([*argv, "--max-new-tokens", "8", "--compile-cache", "", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["method"], r["via"], r["clients"], r["slots"]) for r in rows] == [
+        ("random:hspec k=2", "HTTP", 1, 4),
+        ("random:hspec k=2", "HTTP", 3, 4),
+    ]
+    for r in rows:
+        assert r["answered"] == 6 and r["refused"] == 0 and 6 <= r["tokens"] <= 48 and r["throughput"] > 0
+        assert r["ttft_p50"] > 0 and r["itl_p50"] > 0 and 1 <= r["tau"] <= 3
+    assert "| random:hspec k=2 | HTTP | 3 | 4 | 6/6 |" in (out / "report.md").read_text()
+    assert run(eval_serving.main, [*argv, "--max-new-tokens", "300", "--out", str(out)]) == 1
+    assert "gives at most 128" in capsys.readouterr().err
+    assert run(eval_serving.main, [*argv, "--in-process", "--max-new-tokens", "8", "--out", str(out)]) == 1
+    assert "with --max-tokens 8" in capsys.readouterr().err
 
 
 def test_sigterm_finishes_or_cancels_in_flight_requests_and_exits_0(tiny, long_prompt):
