@@ -260,8 +260,9 @@ class Frontend:
 
     def _job(self, params, prompt: list[int], prompt_field: str) -> Job:
         temperature = self.served.default_temperature if params.temperature is None else params.temperature
-        seed = (next(self._ids) if params.seed is None else params.seed) % SEED_MODULUS
-        request = Request(f"r{next(self._ids)}", tuple(prompt), seed, temperature, params.top_p)
+        number = next(self._ids)
+        seed = (number if params.seed is None else params.seed) % SEED_MODULUS
+        request = Request(f"r{number}", tuple(prompt), seed, temperature, params.top_p)
         reason = self.worker.engine.refusal(request)
         if reason is not None:
             raise APIError(400, f"cannot serve this request: {reason}", param=prompt_field)
