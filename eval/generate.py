@@ -53,7 +53,7 @@ from hspec_jax.cli import (
     EXIT_INTERRUPTED,
     MAX_K,
     ArgumentParser,
-    draft_length,
+    add_drafter_arguments,
     non_negative_float,
     non_negative_int,
     positive_int,
@@ -95,18 +95,7 @@ def parse_args(argv: list[str] | None = None):
         "--prompt", action="append", required=True, help="user message; repeat the flag for a ragged batch"
     )
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt")
-    parser.add_argument(
-        "--drafter", default=None, help="drafter directory, shipped name (smollm2-hspec) or random:<kind>"
-    )
-    parser.add_argument(
-        "--recipe", default=None, help="recipe name or file for random:<kind> drafters (default: smollm2's)"
-    )
-    parser.add_argument(
-        "--k",
-        type=draft_length,
-        default=None,
-        help=f"drafted tokens per step, 1..{MAX_K}, or auto: chosen per step up to the drafter's k (the default)",
-    )
+    add_drafter_arguments(parser)
     parser.add_argument("--mesh", default="data=1,model=1", help="device mesh, e.g. data=2,model=4")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")

@@ -35,7 +35,6 @@ import shlex
 import sys
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
@@ -52,6 +51,7 @@ from hspec_jax.cli import (
     parse_ks,
     positive_int,
     run,
+    use_compile_cache,
 )
 from hspec_jax.decoding import Bundle, SamplingConfig, bucketed_shapes, pad_batch
 from hspec_jax.decoding.engine import compile_autoregressive, compile_speculative, generate_streaming
@@ -332,9 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     os.makedirs(args.out, exist_ok=True)
-    if args.compile_cache:  # a rerun then loads its compiled programs instead of compiling them again
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    use_compile_cache(args.compile_cache)
     units = units_of(prompts, args.batch_size)
     with open(os.path.join(args.out, "results.jsonl"), "w") as results:
         evaluation = Evaluation(target, methods, args, results)

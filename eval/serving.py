@@ -36,6 +36,17 @@ Reported per method x concurrency (`report.md`, `results.jsonl`, PNG plots):
   refused          requests that can never fit (a prompt over the limit, or more pages than the whole pool)
 Under a memory budget also, per method: the largest concurrency sustained (every request answered, none preempted)
 and the throughput there.
+
+Over HTTP, `--url` (repeatable) drives servers already running (`python -m hspec_jax.serve`), each one method (its
+drafter at its k, or plain), with the same load generator: streamed `/v1/completions` with the prompts as token ids
+and the usage in every chunk, so tokens are counted as the engine committed them. Reported per server x concurrency:
+throughput, TTFT and ITL (p50 / p99, as above, on this process's clock), tau (from the server's /metrics), refusals
+(429). `--in-process` also times, right before each HTTP run, the engine that server runs (its slots, limits, cost
+table, per-request sampling) in this process on the same prompts, and the report gives HTTP / in-process throughput:
+
+    python -m hspec_jax.serve --target smollm2 --slots 16 --max-tokens 64 --port 8000 &
+    python -m eval.serving --url http://127.0.0.1:8000 --in-process --concurrency 1,16 --requests 64 \\
+        --max-new-tokens 64 --out /tmp/http-serving
 """
 
 from __future__ import annotations
@@ -48,7 +59,6 @@ import sys
 import time
 
 import httpx
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -66,6 +76,7 @@ from hspec_jax.cli import (
     parse_ks,
     positive_int,
     run,
+    use_compile_cache,
 )
 from hspec_jax.decoding import Bundle, SamplingConfig
 from hspec_jax.errors import InputError
@@ -217,13 +228,27 @@ def inter_token_latencies(c: Completion) -> list[float]:
     return out
 
 
+def speed(answered: list[Completion], start: float) -> dict:
+    """Tokens, seconds, throughput, TTFT and ITL percentiles of the answered requests (the clock started at
+    `start`)."""
+    tokens = sum(len(c.tokens) for c in answered)
+    elapsed = max((c.finished for c in answered), default=start) - start
+    ttft = [c.first_token - c.submitted for c in answered if c.first_token is not None]
+    itl = [x for c in answered for x in inter_token_latencies(c)]
+    return {
+        "tokens": tokens,
+        "seconds": elapsed,
+        "throughput": tokens / elapsed if elapsed > 0 else 0.0,
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        "itl_p50": percentile(itl, 50),
+        "itl_p99": percentile(itl, 99),
+    }
+
+
 def measure(engine: ServingEngine, completions: list[Completion], start: float, bundle: Bundle, args) -> dict:
     """The row of one method x concurrency (see the module docstring)."""
     answered = [c for c in completions if c.refused is None]
-    tokens = sum(len(c.tokens) for c in answered)
-    elapsed = max((c.finished for c in answered), default=start) - start
-    ttft = [c.first_token - c.submitted for c in answered]
-    itl = [x for c in answered for x in inter_token_latencies(c)]
     steps = sum(c.steps for c in answered)
     target_page, drafter_page = page_bytes(bundle.target, bundle.drafter, args.page_size)
     usable = engine.allocator.usable
@@ -235,13 +260,7 @@ def measure(engine: ServingEngine, completions: list[Completion], start: float, 
         "answered": len(answered),
         "refused": len(completions) - len(answered),
         "preemptions": engine.preemptions,
-        "tokens": tokens,
-        "seconds": elapsed,
-        "throughput": tokens / elapsed if elapsed > 0 else 0.0,
-        "ttft_p50": percentile(ttft, 50),
-        "ttft_p99": percentile(ttft, 99),
-        "itl_p50": percentile(itl, 50),
-        "itl_p99": percentile(itl, 99),
+        **speed(answered, start),
         "tau": (sum(c.accepted for c in answered) + steps) / steps if steps else None,
         "iterations": engine.iterations,
         "target_occupancy_mean": float(occupancy.mean()) / usable,
@@ -265,8 +284,10 @@ def serve(
     max_prompt: int,
     clients: int | None = None,
     per_request_sampling: bool = False,
+    costs=None,
 ) -> dict:
-    """Warm up (compile) then time one method at one concurrency (`clients`, default one per slot) -> its row."""
+    """Warm up (compile) then time one method at one concurrency (`clients`, default one per slot) -> its row.
+    `costs`: the adaptive policy's cost table to use (default: `policy_costs`)."""
     bundle = served(target, method)
     config = ServingConfig(
         slots=slots,
@@ -283,7 +304,10 @@ def serve(
         policy=method.policy,
         per_request_sampling=per_request_sampling,
     )
-    costs = policy_costs(bundle, method, slots, min(prompts, key=len), args)
+    if costs is None:
+        costs = policy_costs(bundle, method, slots, min(prompts, key=len), args)
+    else:
+        costs = np.asarray(costs, np.float32)
     engine = ServingEngine(bundle, config, costs=costs)
     if engine.submit(Request("warm-up", tuple(min(prompts, key=len)))) is None:  # compiles the engine's programs
         while engine.busy:
@@ -386,25 +410,10 @@ async def _drive_http(url: str, model: str, prompts: list[list[int]], clients: i
 def measure_http(completions: list[Completion], refusals: list[int], start: float, before: dict, after: dict) -> dict:
     """The row of one server x concurrency: what `measure` reports that a client can see, tau from the server's
     metrics (their change over the run)."""
-    tokens = sum(len(c.tokens) for c in completions)
-    elapsed = max((c.finished for c in completions), default=start) - start
-    ttft = [c.first_token - c.submitted for c in completions if c.first_token is not None]
-    itl = [x for c in completions for x in inter_token_latencies(c)]
     steps = after.get("hspec_spec_steps_total", 0) - before.get("hspec_spec_steps_total", 0)
     accepted = after.get("hspec_spec_accepted_drafts_total", 0) - before.get("hspec_spec_accepted_drafts_total", 0)
-    return {
-        "requests": len(completions) + len(refusals),
-        "answered": len(completions),
-        "refused": len(refusals),
-        "tokens": tokens,
-        "seconds": elapsed,
-        "throughput": tokens / elapsed if elapsed > 0 else 0.0,
-        "ttft_p50": percentile(ttft, 50),
-        "ttft_p99": percentile(ttft, 99),
-        "itl_p50": percentile(itl, 50),
-        "itl_p99": percentile(itl, 99),
-        "tau": (accepted + steps) / steps if steps else None,
-    }
+    counts = {"requests": len(completions) + len(refusals), "answered": len(completions), "refused": len(refusals)}
+    return counts | speed(completions, start) | {"tau": (accepted + steps) / steps if steps else None}
 
 
 def serve_http(url: str, info: dict, prompts: list[list[int]], clients: int, args) -> dict:
@@ -418,10 +427,14 @@ def serve_http(url: str, info: dict, prompts: list[list[int]], clients: int, arg
 
 
 def in_process(target: Target, info: dict, prompts: list[list[int]], clients: int, args) -> dict:
-    """The engine a server at `info` runs, in this process, on the same prompts at the same concurrency."""
+    """The engine a server at `info` runs (its settings and cost table), in this process, on the same prompts at the
+    same concurrency. A random drafter's draft vocabulary comes from the prompts here, from the server's warm-up
+    prompt there."""
     ks = None if info["drafter"] is None else (info["k"],)
     methods = load_methods(target, [info["drafter"]] if info["drafter"] else [], prompts, ks)
-    row = serve(target, methods[-1], info["slots"], prompts, args, info["max_prompt_tokens"], clients, True)
+    row = serve(
+        target, methods[-1], info["slots"], prompts, args, info["max_prompt_tokens"], clients, True, info["costs"]
+    )
     keep = ("requests", "answered", "refused", "tokens", "seconds", "throughput", "tau")
     latencies = {k: row[k] for k in row if k.startswith(("ttft", "itl"))}
     return (
@@ -431,21 +444,20 @@ def in_process(target: Target, info: dict, prompts: list[list[int]], clients: in
     )
 
 
+def report_head(title: str, meta: dict, what: str) -> list[str]:
+    """The first lines of a report: title, command, machine, what was served, settings."""
+    lines = [f"# {title}", "", f"Command: `{meta['command']}`", ""]
+    lines += ["Machine: " + ", ".join(f"{k} {v}" for k, v in meta["machine"].items()), "", what, ""]
+    return [*lines, "Settings: " + ", ".join(f"{k} {v}" for k, v in meta["settings"].items()), ""]
+
+
 def write_http_report(out_dir: str, rows: list[dict], meta: dict) -> str:
     """`report.md` of a run over HTTP (with the in-process rows beside, if any)."""
     inside = {(r["method"], r["clients"]): r for r in rows if r["via"] == "in-process"}
     ms = lambda x: fmt(x * 1000, 1)
+    servers = "Servers: " + "; ".join(f"{u}: {json.dumps(i)}" for u, i in meta["servers"].items())
     lines = [
-        "# Serving over HTTP: throughput and latency vs concurrency",
-        "",
-        f"Command: `{meta['command']}`",
-        "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in meta["machine"].items()),
-        "",
-        "Servers: " + "; ".join(f"{u}: {json.dumps(i)}" for u, i in meta["servers"].items()),
-        "",
-        "Settings: " + ", ".join(f"{k} {v}" for k, v in meta["settings"].items()),
-        "",
+        *report_head("Serving over HTTP: throughput and latency vs concurrency", meta, servers),
         "| method | via | clients | slots | answered | tok/s | HTTP / in-process | TTFT p50 / p99 ms "
         "| ITL p50 / p99 ms | tau | refused |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -505,9 +517,7 @@ def main_http(args, argv: list[str]) -> int:
                 f"{info['max_prompt_tokens']} (--max-prompt-tokens)"
             )
     os.makedirs(args.out, exist_ok=True)
-    if args.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    use_compile_cache(args.compile_cache)
     rows = []
     with open(os.path.join(args.out, "results.jsonl"), "w") as results:
         for url, info in infos.items():
@@ -556,16 +566,7 @@ def write_report(out_dir: str, rows: list[dict], meta: dict) -> list[str]:
     plain = {r["slots"]: r for r in rows if r["method"] == PLAIN}
     ms = lambda x: fmt(x * 1000, 1)
     lines = [
-        "# Serving: throughput vs concurrency",
-        "",
-        f"Command: `{meta['command']}`",
-        "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in meta["machine"].items()),
-        "",
-        f"Target: {meta['target']}",
-        "",
-        "Settings: " + ", ".join(f"{k} {v}" for k, v in meta["settings"].items()),
-        "",
+        *report_head("Serving: throughput vs concurrency", meta, f"Target: {meta['target']}"),
         "| method | concurrency | pool pages | answered | tok/s | x plain | TTFT p50 / p99 ms | ITL p50 / p99 ms | tau "
         "| target KV occ. mean / peak | drafter KV occ. mean / peak | peak KV MiB target + drafter | preempted "
         "| refused |",
@@ -676,9 +677,7 @@ def main(argv: list[str] | None = None) -> int:
         raise InputError(str(e)) from None
     max_prompt = args.max_prompt_tokens or max(len(p) for p in prompts)
     os.makedirs(args.out, exist_ok=True)
-    if args.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    use_compile_cache(args.compile_cache)
     rows = []
     with open(os.path.join(args.out, "results.jsonl"), "w") as results:
         for method in methods:

@@ -115,6 +115,23 @@ def draft_length(text: str) -> str | int:
     return AUTO if text == AUTO else positive_int(text)
 
 
+def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--drafter`, `--recipe` and `--k` as the tools that serve one drafter take them (`eval.generate`,
+    `hspec_jax.serve`)."""
+    parser.add_argument(
+        "--drafter", default=None, help="drafter directory, shipped name (smollm2-hspec) or random:<kind>"
+    )
+    parser.add_argument(
+        "--recipe", default=None, help="recipe name or file for random:<kind> drafters (default: the target's)"
+    )
+    parser.add_argument(
+        "--k",
+        type=draft_length,
+        default=None,
+        help=f"drafted tokens per step, 1..{MAX_K}, or auto: chosen per step up to the drafter's k (the default)",
+    )
+
+
 def parse_ks(text: str) -> tuple[int | str, ...]:
     """`--k auto,2,7` -> ("auto", 2, 7): distinct draft lengths in 1..MAX_K, or auto (the adaptive policy)."""
     try:
@@ -124,6 +141,16 @@ def parse_ks(text: str) -> tuple[int | str, ...]:
     if not all(k == AUTO or 1 <= k <= MAX_K for k in ks) or len(set(ks)) != len(ks):
         raise argparse.ArgumentTypeError(f"--k takes distinct integers in 1..{MAX_K}, got {text!r}")
     return ks
+
+
+def use_compile_cache(path: str) -> None:
+    """Keep compiled XLA programs in `path` (`--compile-cache`; '' for none): a rerun loads them instead of compiling
+    them again (programs quicker than a second to compile are not kept)."""
+    if path:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 def check_output_dir(path: str, flag: str = "--out") -> None:

@@ -34,11 +34,12 @@ from hspec_jax.cli import (
     DEFAULT_COMPILE_CACHE,
     MAX_K,
     ArgumentParser,
-    draft_length,
+    add_drafter_arguments,
     non_negative_float,
     non_negative_int,
     positive_int,
     run,
+    use_compile_cache,
 )
 from hspec_jax.errors import InputError
 from hspec_jax.target_spec import RANDOM
@@ -51,16 +52,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument(
         "--target", default="smollm2", help="smollm2, an HF dir, a .gguf, an Orbax dir, random:<recipe>"
     )
-    parser.add_argument(
-        "--drafter", default=None, help="drafter directory, shipped name (smollm2-hspec) or random:<kind>"
-    )
-    parser.add_argument("--recipe", default=None, help="recipe for random:<kind> drafters (default: the target's)")
-    parser.add_argument(
-        "--k",
-        type=draft_length,
-        default=None,
-        help=f"drafted tokens per step, 1..{MAX_K}, or auto: chosen per step up to the drafter's k (the default)",
-    )
+    add_drafter_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     parser.add_argument("--port", type=non_negative_int, default=8000, help="port (0: any free one)")
     parser.add_argument("--model-name", default=None, help="the model id clients name (default: --target)")
@@ -158,6 +150,7 @@ def build(args):
         "prefill_chunk": args.prefill_chunk,
         "steps_per_iteration": args.steps_per_iteration,
         "kv_pages": worker.engine.allocator.usable,
+        "costs": None if costs is None else [round(float(c), 4) for c in costs],  # --k auto: T(k) / T(0) per choice
         "seed": args.seed,
     }
     served = Served(
@@ -222,11 +215,7 @@ def serve(args, worker, frontend) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_args(args)
-    import jax
-
-    if args.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    use_compile_cache(args.compile_cache)
     worker, frontend = build(args)
     serve(args, worker, frontend)
     return 0
