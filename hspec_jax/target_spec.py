@@ -11,7 +11,7 @@ from typing import NamedTuple
 import jax
 
 from hspec_jax.chat import ChatEncoder
-from hspec_jax.checkpoints import load_target, load_tokenizer
+from hspec_jax.checkpoints import load_target, load_tokenizer, read_target_config
 from hspec_jax.decoding.engine import stop_ids
 from hspec_jax.drafter_spec import DEFAULT_RECIPES
 from hspec_jax.models import init_params
@@ -31,10 +31,17 @@ class Target(NamedTuple):
     recipe: str | None  # recipe file for random:<kind> drafters
 
 
+def read_target_spec_config(spec: str):
+    """The TargetConfig of a target spec, without its weights (what checks before loading need)."""
+    if spec.startswith(RANDOM):
+        return target_config(load_config(spec.removeprefix(RANDOM)))
+    return read_target_config(spec)
+
+
 def load_encoder(spec: str) -> ChatEncoder:
     """The chat encoder of a target spec alone (its tokenizer, folded for a random target), without its weights."""
     if spec.startswith(RANDOM):
-        return ChatEncoder(load_tokenizer("smollm2"), target_config(load_config(spec.removeprefix(RANDOM))).vocab_size)
+        return ChatEncoder(load_tokenizer("smollm2"), read_target_spec_config(spec).vocab_size)
     return ChatEncoder(load_tokenizer(spec))
 
 

@@ -375,13 +375,15 @@ def test_bad_requests_get_4xx_json_errors_and_the_server_keeps_serving(tiny):
             assert r.status_code == status, (body, error)
             assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
             assert error["param"] == param and words in error["message"], (body, error)
+        r = client.post(tiny.url + "/v1/completions", json={"prompt": "a" * (5 * 1024**2)})
+        assert r.status_code == 413 and "bytes" in r.json()["error"]["message"]
         for method, path, status in (("GET", "/v1/chat/completions", 405), ("POST", "/v1/nowhere", 404)):
             r = client.request(method, tiny.url + path)
             assert r.status_code == status and "message" in r.json()["error"]
         r = client.post(tiny.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     after = tiny.metrics()['hspec_requests_total{outcome="invalid"}']
-    assert after - before == len(BAD_REQUESTS)
+    assert after - before == len(BAD_REQUESTS) + 1  # and the 413
 
 
 def test_metrics_report_latencies_and_speculation(tiny):
@@ -435,6 +437,20 @@ def test_sigterm_finishes_or_cancels_in_flight_requests_and_exits_0(tiny, long_p
     assert tiny.process.wait(60) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(tiny.url + "/health")
+
+
+def test_bad_arguments_stop_before_anything_loads(capsys):
+    from hspec_jax.serve.__main__ import main
+
+    for argv, words in (
+        (["--target", "nowhere"], "neither an embedded model"),
+        (["--target", "random:tiny", "--k", "3"], "needs --drafter"),
+        (["--target", "random:tiny", "--drafter", "random:nope"], "unknown drafter kind 'nope'"),
+        (["--target", "random:tiny", "--max-prompt-tokens", "1000", "--max-tokens", "100"], "context of 1024"),
+        (["--target", "random:tiny", "--default-temperature", "3"], "0..2"),
+    ):
+        assert run(main, [*argv, "--max-prompt-tokens", "64"] if "--max-tokens" not in argv else argv) == 1, argv
+        assert words in capsys.readouterr().err, argv
 
 
 # ---------------------------------------------------------------------------------------------------- SmolLM2

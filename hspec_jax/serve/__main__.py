@@ -78,6 +78,7 @@ def parse_args(argv: list[str] | None = None):
 def check_args(args) -> None:
     """Every check that needs no weights: the target and drafter specs, argument combinations."""
     from hspec_jax.drafter_spec import check_drafter_spec
+    from hspec_jax.target_spec import read_target_spec_config
 
     if args.k is not None and args.drafter is None:
         raise InputError("--k sets the drafted tokens per step: it needs --drafter")
@@ -91,6 +92,12 @@ def check_args(args) -> None:
         )
     if not args.target.startswith(RANDOM):
         resolve(args.target)
+    context = read_target_spec_config(args.target).max_position_embeddings
+    if args.max_prompt_tokens + args.max_tokens > context:
+        raise InputError(
+            f"--max-prompt-tokens {args.max_prompt_tokens} plus --max-tokens {args.max_tokens} is "
+            f"{args.max_prompt_tokens + args.max_tokens} positions, more than the model's context of {context}"
+        )
     if args.drafter is not None:
         check_drafter_spec(args.drafter, args.target, args.recipe)
 
@@ -98,7 +105,6 @@ def check_args(args) -> None:
 def build(args):
     """Load the model(s), build and warm up the engine -> (worker, frontend)."""
     from hspec_jax.decoding import Bundle, SamplingConfig
-    from hspec_jax.decoding.limits import check_context
     from hspec_jax.decoding.policy import AdaptivePolicy
     from hspec_jax.drafter_spec import drafter_config, load_drafter
     from hspec_jax.serve.app import Frontend, Served
@@ -108,7 +114,6 @@ def build(args):
     from hspec_jax.target_spec import load_target_spec
 
     target = load_target_spec(args.target, args.recipe, args.seed)
-    check_context(target.config, args.max_prompt_tokens, args.max_tokens)
     warm = target.encoder.encode_chat([{"role": "user", "content": DEFAULT_WARM_UP}])
     policy, draft_lengths, bundle = None, None, Bundle(target.params, target.config)
     if args.drafter is not None:

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import NamedTuple
 
 import anyio
+from jinja2 import TemplateError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
@@ -45,6 +46,7 @@ from hspec_jax.serving import Request
 
 log = logging.getLogger("hspec_jax.serve")
 SEED_MODULUS = 2**32  # request seeds are taken modulo this (a PRNG key holds 32 bits of seed)
+MAX_BODY_BYTES = 4 * 1024**2  # larger request bodies get a 413
 
 
 class Served(NamedTuple):
@@ -187,7 +189,7 @@ class Frontend:
             if self.draining or self.worker.failed:
                 raise APIError(503, "the server is shutting down" if self.draining else "the engine failed")
             params = parse_request(
-                parse_json(await request.body()), ChatRequest if kind == "chat" else CompletionRequest
+                parse_json(await self._body(request)), ChatRequest if kind == "chat" else CompletionRequest
             )
             if params.model is not None and params.model != self.served.model:
                 raise APIError(
@@ -231,6 +233,19 @@ class Frontend:
         finally:
             close()
 
+    async def _body(self, request: HTTPRequest) -> bytes:
+        """The request body, refused with a 413 past `MAX_BODY_BYTES` (read no further: tokenizing megabytes would
+        hold up the event loop, and no prompt the engine takes is that long)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body has {declared} bytes, more than this server's {MAX_BODY_BYTES}")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body is over this server's {MAX_BODY_BYTES} bytes")
+        return bytes(body)
+
     def _prompt(self, params, kind: str) -> list[int]:
         """The prompt's token ids, checked against the context, the engine's limits and the vocabulary."""
         encoder, limit = self.served.encoder, self.served.max_tokens
@@ -242,7 +257,10 @@ class Frontend:
                 param="max_tokens",
             )
         if kind == "chat":
-            ids = encoder.encode_chat([m.for_template() for m in params.messages], params.functions())
+            try:
+                ids = encoder.encode_chat([m.for_template() for m in params.messages], params.functions())
+            except (TemplateError, ValueError, TypeError) as e:  # e.g. roles out of the order the template wants
+                raise APIError(400, f"messages: the model's chat template refused them: {e}", param="messages") from e
         elif isinstance(params.prompt, str):
             ids = encoder.encode_text(params.prompt)
         else:

@@ -51,6 +51,7 @@ class APIError(Exception):
     TYPES: ClassVar[dict[int, str]] = {
         400: "invalid_request_error",
         404: "invalid_request_error",
+        413: "invalid_request_error",
         429: "rate_limit_error",
         503: "server_error",
     }
