@@ -320,9 +320,14 @@ def test_per_request_sampling_keeps_greedy_requests_greedy(kind, target_params, 
     settings = {"r0": (0.0, None), "r1": (1.5, None), "r2": (1.0, 1e-6), "r3": (0.0, 0.5), "r4": (1.5, 0.9)}
     for i, (temperature, top_p) in enumerate(settings.values()):
         assert engine.submit(Request(f"r{i}", prompts[i], seed=i, temperature=temperature, top_p=top_p)) is None
-    done = {}
+    done, seen = {}, {}
     while engine.busy:
         done.update((c.request.id, c.tokens) for c in engine.step())
+        for slot, s in enumerate(engine.slots):  # every slot samples with its own request's settings
+            if s is not None:
+                row = (engine.rows.temperature[slot], engine.rows.top_p[slot])
+                seen[s.request.id] = tuple(round(float(x), 6) for x in row)
+    assert seen == {k: (t, 1.0 if p is None else p) for k, (t, p) in settings.items()}
     for i in (0, 2, 3):
         np.testing.assert_array_equal(done[f"r{i}"], alone[i], err_msg=f"r{i} {settings[f'r{i}']}")
     assert not all(np.array_equal(done[f"r{i}"], alone[i]) for i in (1, 4))

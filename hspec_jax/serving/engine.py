@@ -460,7 +460,7 @@ class ServingEngine:
             self._admitted += 1
             self.lengths[slot] = 0
             self._table_dirty = True
-            if self.rows is not None:
+            if self.config.per_request_sampling:
                 self.temperature[slot], self.top_p[slot] = self._temperature(request), self._top_p(request)
                 self.rows = None  # copied to the device again (`_device_rows`)
 
