@@ -346,7 +346,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": ""}, 400, None, "must not be empty"),
     ("/v1/completions", {"prompt": [5, 1000]}, 400, "prompt", "vocabulary of 96"),
     ("/v1/completions", {"prompt": [5] * 130}, 400, "prompt", "prompt of 130 tokens exceeds the serving limit of 128"),
-    ("/v1/completions", {"prompt": [5] * 900, "max_tokens": 200}, 400, "prompt", "context of 1024"),
+    ("/v1/completions", {"prompt": [5] * 1000, "max_tokens": 100}, 400, "prompt", "context of 1024"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "does not exist"),
     (
         "/v1/chat/completions",
