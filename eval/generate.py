@@ -47,15 +47,14 @@ import jax
 import numpy as np
 
 from hspec_jax import parallel
-from hspec_jax.chat import chat_prompt_ids
+from hspec_jax.chat import chat_prompt_ids, text_ids
 from hspec_jax.checkpoints import load_target, load_tokenizer, read_target_config, resolve
-from hspec_jax.checkpoints.drafter_io import read_drafter_config, resolve_drafter, trained_drafters
 from hspec_jax.cli import (
     DEFAULT_COMPILE_CACHE,
     EXIT_INTERRUPTED,
     MAX_K,
     ArgumentParser,
-    draft_length,
+    add_drafter_arguments,
     non_negative_float,
     non_negative_int,
     positive_int,
@@ -83,11 +82,10 @@ from hspec_jax.decoding.limits import (
     tree_bytes,
 )
 from hspec_jax.decoding.policy import AdaptivePolicy
-from hspec_jax.drafter_spec import DEFAULT_RECIPES, RANDOM, drafter_config, load_drafter
-from hspec_jax.drafters import DRAFTER_KINDS, drafter_param_shapes
+from hspec_jax.drafter_spec import DEFAULT_RECIPES, check_drafter_spec, drafter_config, load_drafter
+from hspec_jax.drafters import drafter_param_shapes
 from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.errors import InputError
-from hspec_jax.recipes import load_config
 
 
 def parse_args(argv: list[str] | None = None):
@@ -99,18 +97,7 @@ def parse_args(argv: list[str] | None = None):
         "--prompt", action="append", required=True, help="user message; repeat the flag for a ragged batch"
     )
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt")
-    parser.add_argument(
-        "--drafter", default=None, help="drafter directory, shipped name (smollm2-hspec) or random:<kind>"
-    )
-    parser.add_argument(
-        "--recipe", default=None, help="recipe name or file for random:<kind> drafters (default: smollm2's)"
-    )
-    parser.add_argument(
-        "--k",
-        type=draft_length,
-        default=None,
-        help=f"drafted tokens per step, 1..{MAX_K}, or auto: chosen per step up to the drafter's k (the default)",
-    )
+    add_drafter_arguments(parser)
     parser.add_argument("--mesh", default="data=1,model=1", help="device mesh, e.g. data=2,model=4")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")
@@ -153,25 +140,12 @@ def check_args(args) -> None:
         raise InputError("--k sets the drafted tokens per step: it needs --drafter")
     if isinstance(args.k, int) and args.k > MAX_K:
         raise InputError(f"--k must be in 1..{MAX_K}, got {args.k}")
-    random_drafter = args.drafter is not None and args.drafter.startswith(RANDOM)
-    if args.recipe is not None and not random_drafter:
+    if args.recipe is not None and args.drafter is None:
         raise InputError("--recipe builds random:<kind> drafters: it needs --drafter random:<kind>")
     if not args.chat and any(not p for p in args.prompt):
         raise InputError("--prompt must not be empty")
-    if random_drafter:
-        kind = args.drafter.split(":", 1)[1]
-        if kind not in DRAFTER_KINDS:
-            raise InputError(f"unknown drafter kind {kind!r}; choose from {', '.join(DRAFTER_KINDS)}")
-        if args.recipe is None and args.target not in DEFAULT_RECIPES:
-            raise InputError("a random drafter for this target needs --recipe <name or configs/<name>.py>")
-        load_config(args.recipe or DEFAULT_RECIPES[args.target])
-    elif args.drafter is not None:
-        if not os.path.isdir(resolve_drafter(args.drafter)):
-            raise InputError(
-                f"drafter {args.drafter!r} is neither random:<kind>, a shipped drafter "
-                f"({', '.join(trained_drafters()) or 'none installed'}) nor a checkpoint directory"
-            )
-        read_drafter_config(args.drafter)
+    if args.drafter is not None:
+        check_drafter_spec(args.drafter, args.target, args.recipe)
     try:
         parallel.make_mesh(args.mesh)
     except ValueError as e:
@@ -226,7 +200,7 @@ def drafting_policy(args, drafter) -> AdaptivePolicy | None:
 def encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
     if chat:
         return [chat_prompt_ids(tokenizer, p) for p in prompts]
-    return [list(tokenizer(p)["input_ids"]) for p in prompts]
+    return [text_ids(tokenizer, p) for p in prompts]
 
 
 class Interrupt:

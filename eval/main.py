@@ -35,15 +35,13 @@ import shlex
 import sys
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
 from eval.memory import kv_bytes_per_token
 from eval.report import PLAIN, write_report
-from hspec_jax.chat import ChatEncoder
-from hspec_jax.checkpoints import CheckpointError, load_target, load_tokenizer
+from hspec_jax.checkpoints import CheckpointError
 from hspec_jax.cli import (
     AUTO,
     DEFAULT_COMPILE_CACHE,
@@ -57,17 +55,14 @@ from hspec_jax.cli import (
     use_compile_cache,
 )
 from hspec_jax.decoding import Bundle, SamplingConfig, bucketed_shapes, pad_batch
-from hspec_jax.decoding.engine import compile_autoregressive, compile_speculative, generate_streaming, stop_ids
+from hspec_jax.decoding.engine import compile_autoregressive, compile_speculative, generate_streaming
 from hspec_jax.decoding.policy import AdaptivePolicy
-from hspec_jax.drafter_spec import DEFAULT_RECIPES, drafter_config, load_drafter
+from hspec_jax.drafter_spec import drafter_config, load_drafter
 from hspec_jax.machine import machine_facts
-from hspec_jax.models import check_capacity, init_params
+from hspec_jax.models import check_capacity
 from hspec_jax.models.layers import for_backend
 from hspec_jax.prompts import Prompt, load_prompts, parse_tasks
-from hspec_jax.recipes import load_config, target_config
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RANDOM_TARGET_SCALE = 4.0  # random targets: 2-D weights x4, so greedy argmaxes are far from ties
+from hspec_jax.target_spec import Target, load_target_spec
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -102,32 +97,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--out", required=True, help="output directory")
     return parser.parse_args(argv)
-
-
-class Target(NamedTuple):
-    name: str
-    config: object  # TargetConfig
-    params: dict
-    encoder: ChatEncoder
-    eos_ids: tuple[int, ...]
-    pad_id: int
-    recipe: str | None  # recipe file for random:<kind> drafters
-
-
-def load_eval_target(spec: str, recipe: str | None, seed: int) -> Target:
-    """The target, its chat encoder and stop ids, from a checkpoint spec or `random:<recipe>`."""
-    tokenizer = load_tokenizer("smollm2" if spec.startswith("random:") else spec)
-    if spec.startswith("random:"):
-        recipe = recipe or os.path.join(ROOT, "configs", f"{spec.split(':', 1)[1]}.py")
-        config = target_config(load_config(recipe))
-        params = init_params(config, jax.random.key(seed))
-        params = jax.tree.map(lambda x: x * RANDOM_TARGET_SCALE if x.ndim == 2 else x, params)
-        name = f"{spec} (random weights, SmolLM2 tokenizer ids modulo {config.vocab_size})"
-        return Target(name, config, params, ChatEncoder(tokenizer, config.vocab_size), config.eos_token_ids, 0, recipe)
-    config, params = load_target(spec)
-    pad_id = config.pad_token_id if config.pad_token_id is not None else 0
-    recipe = recipe or DEFAULT_RECIPES.get(spec)
-    return Target(spec, config, params, ChatEncoder(tokenizer), stop_ids(config, tokenizer), pad_id, recipe)
 
 
 class Method(NamedTuple):
@@ -357,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.k and not args.drafter:
             raise ValueError("--k sets the drafted tokens per step: it needs --drafter")
         prompts = load_prompts(parse_tasks(args.tasks), args.num_prompts)
-        target = load_eval_target(args.target, args.recipe, args.seed)
+        target = load_target_spec(args.target, args.recipe, args.seed)
         first_turns = [target.encoder.encode(p, []) for p in prompts]
         methods = load_methods(target, args.drafter, first_turns, args.k)
     except (CheckpointError, ValueError, FileNotFoundError) as e:

@@ -36,6 +36,17 @@ Reported per method x concurrency (`report.md`, `results.jsonl`, PNG plots):
   refused          requests that can never fit (a prompt over the limit, or more pages than the whole pool)
 Under a memory budget also, per method: the largest concurrency sustained (every request answered, none preempted)
 and the throughput there.
+
+Over HTTP, `--url` (repeatable) drives servers already running (`python -m hspec_jax.serve`), each one method (its
+drafter at its k, or plain), with the same load generator: streamed `/v1/completions` with the prompts as token ids
+and the usage in every chunk, so tokens are counted as the engine committed them. Reported per server x concurrency:
+throughput, TTFT and ITL (p50 / p99, as above, on this process's clock), tau (from the server's /metrics), refusals
+(429). `--in-process` also times, right before each HTTP run, the engine that server runs (its slots, limits, cost
+table, per-request sampling) in this process on the same prompts, and the report gives HTTP / in-process throughput:
+
+    python -m hspec_jax.serve --target smollm2 --slots 16 --max-tokens 64 --port 8000 &
+    python -m eval.serving --url http://127.0.0.1:8000 --in-process --concurrency 1,16 --requests 64 \\
+        --max-new-tokens 64 --out /tmp/http-serving
 """
 
 from __future__ import annotations
@@ -47,11 +58,13 @@ import shlex
 import sys
 import time
 
-import jax
+import httpx
+import jax.numpy as jnp
 import numpy as np
 
-from eval.main import Method, Target, load_eval_target, load_methods
+from eval.main import Method, load_methods
 from eval.report import PLAIN, fmt
+from hspec_jax.chat import ChatEncoder
 from hspec_jax.cli import (
     DEFAULT_COMPILE_CACHE,
     ArgumentParser,
@@ -66,13 +79,12 @@ from hspec_jax.cli import (
     run,
     use_compile_cache,
 )
-from hspec_jax.decoding import Bundle, SamplingConfig, bucket, pad_batch
-from hspec_jax.decoding.bundle import init_caches
-from hspec_jax.decoding.speculative import adaptive_costs
+from hspec_jax.decoding import Bundle, SamplingConfig
 from hspec_jax.errors import InputError
 from hspec_jax.machine import machine_facts
 from hspec_jax.prompts import load_prompts, parse_tasks
-from hspec_jax.serving import Completion, Request, ServingConfig, ServingEngine, page_bytes, pages_for
+from hspec_jax.serving import Completion, Request, ServingConfig, ServingEngine, engine_costs, page_bytes, pages_for
+from hspec_jax.target_spec import Target, load_encoder, load_target_spec
 
 ARRIVALS = ("closed", "poisson")
 PLOTS = {
@@ -107,6 +119,12 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument(
         "--compile-cache", default=DEFAULT_COMPILE_CACHE, help="persistent XLA compilation cache directory, '' for none"
     )
+    parser.add_argument(
+        "--url", action="append", default=[], help="a running server (python -m hspec_jax.serve) to drive; repeatable"
+    )
+    parser.add_argument(
+        "--in-process", action="store_true", help="with --url: also time the same engine in this process, same prompts"
+    )
     parser.add_argument("--out", required=True, help="output directory")
     return parser.parse_args(argv)
 
@@ -121,19 +139,25 @@ def check_args(args) -> None:
         raise InputError("each --drafter may be given once")
     if args.k and not args.drafter:
         raise InputError("--k sets the drafted tokens per step: it needs --drafter")
+    if args.url and (args.drafter or args.memory_budget is not None or args.max_prompt_tokens is not None):
+        raise InputError(
+            "with --url the servers' own settings hold: leave out --drafter, --memory-budget and --max-prompt-tokens"
+        )
+    if args.in_process and not args.url:
+        raise InputError("--in-process puts the engine beside a server: it needs --url")
     try:
         parse_tasks(args.tasks)
     except ValueError as e:
         raise InputError(str(e)) from None
 
 
-def request_prompts(target: Target, tasks: str, count: int) -> list[list[int]]:
+def request_prompts(encoder: ChatEncoder, tasks: str, count: int) -> list[list[int]]:
     """Token ids of `count` first turns, spread over the tasks (and repeated when the tasks have fewer)."""
     task_names = parse_tasks(tasks)
     prompts = load_prompts(task_names, math.ceil(count / len(task_names)))
     by_task = [[p for p in prompts if p.task == t] for t in task_names]
     interleaved = [p for group in zip(*by_task, strict=False) for p in group] or prompts
-    return [target.encoder.encode(interleaved[i % len(interleaved)], []) for i in range(count)]
+    return [encoder.encode(interleaved[i % len(interleaved)], []) for i in range(count)]
 
 
 def served(target: Target, method: Method) -> Bundle:
@@ -144,24 +168,11 @@ def served(target: Target, method: Method) -> Bundle:
 
 
 def policy_costs(bundle: Bundle, method: Method, slots: int, prompt: list[int], args):
-    """The adaptive policy's cost table at `slots` sequences (None for a fixed k): cached, or measured on the
-    contiguous-cache loop at that batch, every sequence answering `prompt`."""
+    """The adaptive policy's cost table at `slots` sequences (None for a fixed k): `engine_costs`."""
     if method.policy is None:
         return None
-    tokens, lengths = pad_batch([prompt] * slots, 0, bucket(len(prompt)))
-    capacity = bucket(tokens.shape[1] + args.max_new_tokens + bundle.lookahead)
     sampling = SamplingConfig(temperature=args.temperature)
-    return adaptive_costs(
-        bundle,
-        tokens,
-        lengths,
-        lambda: init_caches(bundle, slots, capacity),
-        capacity,
-        jax.random.key(args.seed),
-        policy=method.policy,
-        max_new_tokens=args.max_new_tokens,
-        sampling=sampling,
-    )
+    return engine_costs(bundle, method.policy, slots, prompt, args.max_new_tokens, sampling, args.seed)
 
 
 def pool_pages(bundle: Bundle, args, slots: int, max_prompt: int) -> int:
@@ -218,13 +229,27 @@ def inter_token_latencies(c: Completion) -> list[float]:
     return out
 
 
+def speed(answered: list[Completion], start: float) -> dict:
+    """Tokens, seconds, throughput, TTFT and ITL percentiles of the answered requests (the clock started at
+    `start`)."""
+    tokens = sum(len(c.tokens) for c in answered)
+    elapsed = max((c.finished for c in answered), default=start) - start
+    ttft = [c.first_token - c.submitted for c in answered if c.first_token is not None]
+    itl = [x for c in answered for x in inter_token_latencies(c)]
+    return {
+        "tokens": tokens,
+        "seconds": elapsed,
+        "throughput": tokens / elapsed if elapsed > 0 else 0.0,
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        "itl_p50": percentile(itl, 50),
+        "itl_p99": percentile(itl, 99),
+    }
+
+
 def measure(engine: ServingEngine, completions: list[Completion], start: float, bundle: Bundle, args) -> dict:
     """The row of one method x concurrency (see the module docstring)."""
     answered = [c for c in completions if c.refused is None]
-    tokens = sum(len(c.tokens) for c in answered)
-    elapsed = max((c.finished for c in answered), default=start) - start
-    ttft = [c.first_token - c.submitted for c in answered]
-    itl = [x for c in answered for x in inter_token_latencies(c)]
     steps = sum(c.steps for c in answered)
     target_page, drafter_page = page_bytes(bundle.target, bundle.drafter, args.page_size)
     usable = engine.allocator.usable
@@ -236,13 +261,7 @@ def measure(engine: ServingEngine, completions: list[Completion], start: float, 
         "answered": len(answered),
         "refused": len(completions) - len(answered),
         "preemptions": engine.preemptions,
-        "tokens": tokens,
-        "seconds": elapsed,
-        "throughput": tokens / elapsed if elapsed > 0 else 0.0,
-        "ttft_p50": percentile(ttft, 50),
-        "ttft_p99": percentile(ttft, 99),
-        "itl_p50": percentile(itl, 50),
-        "itl_p99": percentile(itl, 99),
+        **speed(answered, start),
         "tau": (sum(c.accepted for c in answered) + steps) / steps if steps else None,
         "iterations": engine.iterations,
         "target_occupancy_mean": float(occupancy.mean()) / usable,
@@ -257,8 +276,19 @@ def measure(engine: ServingEngine, completions: list[Completion], start: float, 
     }
 
 
-def serve(target: Target, method: Method, slots: int, prompts: list[list[int]], args, max_prompt: int) -> dict:
-    """Warm up (compile) then time one method at one concurrency -> its row."""
+def serve(
+    target: Target,
+    method: Method,
+    slots: int,
+    prompts: list[list[int]],
+    args,
+    max_prompt: int,
+    clients: int | None = None,
+    per_request_sampling: bool = False,
+    costs=None,
+) -> dict:
+    """Warm up (compile) then time one method at one concurrency (`clients`, default one per slot) -> its row.
+    `costs`: the adaptive policy's cost table to use (default: `policy_costs`)."""
     bundle = served(target, method)
     config = ServingConfig(
         slots=slots,
@@ -273,17 +303,256 @@ def serve(target: Target, method: Method, slots: int, prompts: list[list[int]], 
         pad_id=target.pad_id,
         seed=args.seed,
         policy=method.policy,
+        per_request_sampling=per_request_sampling,
     )
-    costs = policy_costs(bundle, method, slots, min(prompts, key=len), args)
+    if costs is None:
+        costs = policy_costs(bundle, method, slots, min(prompts, key=len), args)
+    else:
+        costs = np.asarray(costs, np.float32)
     engine = ServingEngine(bundle, config, costs=costs)
     if engine.submit(Request("warm-up", tuple(min(prompts, key=len)))) is None:  # compiles the engine's programs
         while engine.busy:
             engine.step()
     engine.reset_counters()
-    completions, start = drive(engine, prompts, slots, args)
+    completions, start = drive(engine, prompts, clients or slots, args)
     return {"method": method.name, "kind": "plain" if method.drafter is None else method.drafter[0].kind} | measure(
         engine, completions, start, bundle, args
     )
+
+
+# ---------------------------------------------------------------------------------------------------- over HTTP
+
+
+def server_info(url: str) -> dict:
+    """A running server's settings (`GET /health`)."""
+    try:
+        response = httpx.get(url.rstrip("/") + "/health", timeout=10)
+    except httpx.HTTPError as e:
+        raise InputError(f"--url {url}: no server answers ({e})") from None
+    if response.status_code != 200:
+        raise InputError(f"--url {url}: /health answered {response.status_code}: {response.text[:200]}")
+    return response.json()
+
+
+def server_method(info: dict) -> str:
+    """A server's method, named as the in-process ones (`load_methods`)."""
+    if info["drafter"] is None:
+        return PLAIN
+    return f"{info['drafter']} k={info['k']}"
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's Prometheus samples (name with labels -> value)."""
+    text = httpx.get(url.rstrip("/") + "/metrics", timeout=10).text
+    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))}
+
+
+async def _request(client, url: str, model: str, i: int, prompt: list[int], args) -> Completion | int:
+    """One streamed completion of `prompt` (token ids) -> its `Completion` (times on this process's clock; bursts:
+    the tokens each chunk brought, from the running usage), or the HTTP status of a refusal."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed + i,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    submitted, bursts, count = time.perf_counter(), [], 0
+    async with client.stream("POST", url.rstrip("/") + "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return response.status_code
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if "error" in chunk:
+                return 500
+            n = chunk["usage"]["completion_tokens"]
+            if n > count:
+                bursts.append((time.perf_counter(), n - count))
+                count = n
+    first = bursts[0][0] if bursts else None
+    request = Request(f"q{i}", tuple(prompt), args.seed + i)
+    return Completion(request, np.zeros(count, np.int32), submitted, first, time.perf_counter(), bursts)
+
+
+async def _drive_http(url: str, model: str, prompts: list[list[int]], clients: int, args):
+    """`drive` over HTTP: closed-loop `clients` or Poisson arrivals -> (completions, refusals, start)."""
+    import asyncio
+
+    results: list = [None] * len(prompts)
+    rng = np.random.default_rng(args.seed)
+    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        start = time.perf_counter()
+        if args.arrival == "poisson":
+            due = start + np.cumsum(rng.exponential(1.0 / args.rate, len(prompts)))
+
+            async def at(i):
+                await asyncio.sleep(max(0.0, due[i] - time.perf_counter()))
+                results[i] = await _request(client, url, model, i, prompts[i], args)
+
+            await asyncio.gather(*(at(i) for i in range(len(prompts))))
+        else:
+            todo = iter(range(len(prompts)))
+
+            async def loop():
+                for i in todo:  # each client sends its next request as soon as its previous one is answered
+                    results[i] = await _request(client, url, model, i, prompts[i], args)
+
+            await asyncio.gather(*(loop() for _ in range(clients)))
+    completions = [r for r in results if isinstance(r, Completion)]
+    return completions, [r for r in results if not isinstance(r, Completion)], start
+
+
+def measure_http(completions: list[Completion], refusals: list[int], start: float, before: dict, after: dict) -> dict:
+    """The row of one server x concurrency: what `measure` reports that a client can see, tau from the server's
+    metrics (their change over the run)."""
+    steps = after.get("hspec_spec_steps_total", 0) - before.get("hspec_spec_steps_total", 0)
+    accepted = after.get("hspec_spec_accepted_drafts_total", 0) - before.get("hspec_spec_accepted_drafts_total", 0)
+    counts = {"requests": len(completions) + len(refusals), "answered": len(completions), "refused": len(refusals)}
+    return counts | speed(completions, start) | {"tau": (accepted + steps) / steps if steps else None}
+
+
+def serve_http(url: str, info: dict, prompts: list[list[int]], clients: int, args) -> dict:
+    """Time one running server at one concurrency -> its row."""
+    import asyncio
+
+    before = scrape(url)
+    completions, refusals, start = asyncio.run(_drive_http(url, info["model"], prompts, clients, args))
+    row = measure_http(completions, refusals, start, before, scrape(url))
+    return {"method": server_method(info), "via": "HTTP", "clients": clients, "slots": info["slots"]} | row
+
+
+def in_process(target: Target, info: dict, prompts: list[list[int]], clients: int, args) -> dict:
+    """The engine a server at `info` runs (its settings and cost table), in this process, on the same prompts at the
+    same concurrency. A random drafter's draft vocabulary comes from the prompts here, from the server's warm-up
+    prompt there."""
+    ks = None if info["drafter"] is None else (info["k"],)
+    methods = load_methods(target, [info["drafter"]] if info["drafter"] else [], prompts, ks)
+    row = serve(
+        target, methods[-1], info["slots"], prompts, args, info["max_prompt_tokens"], clients, True, info["costs"]
+    )
+    keep = ("requests", "answered", "refused", "tokens", "seconds", "throughput", "tau")
+    latencies = {k: row[k] for k in row if k.startswith(("ttft", "itl"))}
+    return (
+        {"method": server_method(info), "via": "in-process", "clients": clients, "slots": info["slots"]}
+        | {k: row[k] for k in keep}
+        | latencies
+    )
+
+
+def report_head(title: str, meta: dict, what: str) -> list[str]:
+    """The first lines of a report: title, command, machine, what was served, settings."""
+    lines = [f"# {title}", "", f"Command: `{meta['command']}`", ""]
+    lines += ["Machine: " + ", ".join(f"{k} {v}" for k, v in meta["machine"].items()), "", what, ""]
+    return [*lines, "Settings: " + ", ".join(f"{k} {v}" for k, v in meta["settings"].items()), ""]
+
+
+def write_http_report(out_dir: str, rows: list[dict], meta: dict) -> str:
+    """`report.md` of a run over HTTP (with the in-process rows beside, if any)."""
+    inside = {(r["method"], r["clients"]): r for r in rows if r["via"] == "in-process"}
+    ms = lambda x: fmt(x * 1000, 1)
+    servers = "Servers: " + "; ".join(f"{u}: {json.dumps(i)}" for u, i in meta["servers"].items())
+    lines = [
+        *report_head("Serving over HTTP: throughput and latency vs concurrency", meta, servers),
+        "| method | via | clients | slots | answered | tok/s | HTTP / in-process | TTFT p50 / p99 ms "
+        "| ITL p50 / p99 ms | tau | refused |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        base = inside.get((r["method"], r["clients"]))
+        ratio = "-"
+        if r["via"] == "HTTP" and base and base["throughput"]:
+            ratio = fmt(r["throughput"] / base["throughput"])
+        lines.append(
+            f"| {r['method']} | {r['via']} | {r['clients']} | {r['slots']} | {r['answered']}/{r['requests']} "
+            f"| {fmt(r['throughput'], 1)} | {ratio} | {ms(r['ttft_p50'])} / {ms(r['ttft_p99'])} "
+            f"| {ms(r['itl_p50'])} / {ms(r['itl_p99'])} | {fmt(r['tau']) if r['tau'] is not None else '-'} "
+            f"| {r['refused']} |"
+        )
+    lines += [
+        "",
+        "Clients send their next request as soon as the previous one is answered (streamed /v1/completions with "
+        "token-id prompts, the usage in every chunk). TTFT: request sent -> first token received; ITL: tokens "
+        "arriving in one chunk share the time since the previous chunk. In-process rows run the same engine "
+        "(slots, limits, per-request sampling) on the same prompts in this process, between the HTTP runs.",
+    ]
+    report = os.path.join(out_dir, "report.md")
+    with open(report, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return report
+
+
+def main_http(args, argv: list[str]) -> int:
+    """`--url`: drive the running servers (and with `--in-process`, the same engines here) on the same prompts."""
+    infos = {url: server_info(url) for url in args.url}
+    targets = {info["target"] for info in infos.values()}
+    if len(targets) != 1:
+        raise InputError(f"the servers serve different targets ({', '.join(sorted(targets))}): prompts differ")
+    spec = targets.pop()
+    for url, info in infos.items():
+        if args.max_new_tokens > info["max_tokens"]:
+            raise InputError(
+                f"--max-new-tokens {args.max_new_tokens}: the server at {url} gives at most {info['max_tokens']}"
+            )
+        if args.in_process and args.max_new_tokens != info["max_tokens"]:
+            raise InputError(
+                f"--in-process runs the server's engine, which stops at {info['max_tokens']} tokens: "
+                f"start the server at {url} with --max-tokens {args.max_new_tokens}"
+            )
+    try:
+        target = load_target_spec(spec, None, next(iter(infos.values()))["seed"]) if args.in_process else None
+        encoder = target.encoder if target else load_encoder(spec)
+        prompts = request_prompts(encoder, args.tasks, args.requests)
+    except (ValueError, FileNotFoundError) as e:
+        raise InputError(str(e)) from None
+    longest = max(len(p) for p in prompts)
+    for url, info in infos.items():
+        if longest > info["max_prompt_tokens"]:
+            raise InputError(
+                f"the longest prompt has {longest} tokens: the server at {url} takes at most "
+                f"{info['max_prompt_tokens']} (--max-prompt-tokens)"
+            )
+    os.makedirs(args.out, exist_ok=True)
+    use_compile_cache(args.compile_cache)
+    rows = []
+    with open(os.path.join(args.out, "results.jsonl"), "w") as results:
+        for url, info in infos.items():
+            if args.in_process:  # the server's engine settings for the engine here
+                args.page_size, args.prefill_chunk = info["page_size"], info["prefill_chunk"]
+                args.steps_per_iteration = info["steps_per_iteration"]
+            for clients in args.concurrency:
+                local = [in_process(target, info, prompts, clients, args)] if args.in_process else []
+                for row in [*local, serve_http(url, info, prompts, clients, args)]:
+                    rows.append(row)
+                    results.write(json.dumps(row) + "\n")
+                    results.flush()
+                    print(
+                        f"{row['method']} via {row['via']} x{clients}: {row['throughput']:.1f} tok/s, "
+                        f"{row['answered']}/{row['requests']} answered, TTFT p50 {row['ttft_p50'] * 1000:.1f} ms, "
+                        f"ITL p50 {row['itl_p50'] * 1000:.1f} ms",
+                        file=sys.stderr,
+                    )
+    meta = {
+        "command": "python -m eval.serving " + shlex.join(argv),
+        "machine": machine_facts(jnp.float32, bandwidth=False),
+        "servers": infos,
+        "settings": {
+            "requests": args.requests,
+            "tasks": args.tasks,
+            "arrival": args.arrival if args.arrival == "closed" else f"poisson {args.rate}/s",
+            "max new tokens": args.max_new_tokens,
+            "temperature": args.temperature,
+        },
+    }
+    with open(os.path.join(args.out, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    print(f"wrote {write_http_report(args.out, rows, meta)}")
+    return 0
 
 
 def sustained(rows: list[dict], method: str) -> dict | None:
@@ -298,16 +567,7 @@ def write_report(out_dir: str, rows: list[dict], meta: dict) -> list[str]:
     plain = {r["slots"]: r for r in rows if r["method"] == PLAIN}
     ms = lambda x: fmt(x * 1000, 1)
     lines = [
-        "# Serving: throughput vs concurrency",
-        "",
-        f"Command: `{meta['command']}`",
-        "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in meta["machine"].items()),
-        "",
-        f"Target: {meta['target']}",
-        "",
-        "Settings: " + ", ".join(f"{k} {v}" for k, v in meta["settings"].items()),
-        "",
+        *report_head("Serving: throughput vs concurrency", meta, f"Target: {meta['target']}"),
         "| method | concurrency | pool pages | answered | tok/s | x plain | TTFT p50 / p99 ms | ITL p50 / p99 ms | tau "
         "| target KV occ. mean / peak | drafter KV occ. mean / peak | peak KV MiB target + drafter | preempted "
         "| refused |",
@@ -408,9 +668,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     check_args(args)
+    if args.url:
+        return main_http(args, argv)
     try:
-        target = load_eval_target(args.target, args.recipe, args.seed)
-        prompts = request_prompts(target, args.tasks, args.requests)
+        target = load_target_spec(args.target, args.recipe, args.seed)
+        prompts = request_prompts(target.encoder, args.tasks, args.requests)
         methods = load_methods(target, args.drafter, prompts, args.k)
     except (ValueError, FileNotFoundError) as e:  # InputError and CheckpointError are ValueErrors too
         raise InputError(str(e)) from None

@@ -83,6 +83,11 @@ def chat_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -
     return encode(tokenizer, render(tokenizer, messages, add_generation_prompt=True, tools=tools))
 
 
+def text_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of plain text, with the special tokens the tokenizer adds itself (a prompt without a template)."""
+    return list(tokenizer(text)["input_ids"])
+
+
 def chat_prompt_ids(tokenizer, text: str, system: str | None = None) -> list[int]:
     """Token ids of a one-turn chat prompt, formatted with the tokenizer's chat template."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
@@ -102,9 +107,16 @@ def conversation(prompt: Prompt, answers: list[str], native_tools: bool) -> tupl
     for user, answer in zip(prompt.turns, answers, strict=False):
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
     messages.append({"role": "user", "content": prompt.turns[len(answers)]})
-    if prompt.tools is None:
+    return with_tools(messages, None if prompt.tools is None else json.loads(prompt.tools), native_tools)
+
+
+def with_tools(
+    messages: list[dict], functions: list[dict] | None, native_tools: bool
+) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools for the template) offering `functions` (JSON schemas of functions; None or [] for none):
+    to the template's `tools=` when it takes them, else in a system message put first (module docstring)."""
+    if not functions:
         return messages, None
-    functions = json.loads(prompt.tools)
     if native_tools:
         return messages, [{"type": "function", "function": f} for f in functions]
     return [{"role": "system", "content": TOOLS_SYSTEM.format(tools=json.dumps(functions))}, *messages], None
@@ -120,7 +132,18 @@ class ChatEncoder:
 
     def encode(self, prompt: Prompt, answers: list[str]) -> list[int]:
         """Ids of turn `len(answers)` (see `conversation`), modulo the vocabulary for a folded tokenizer."""
-        ids = chat_ids(self.tokenizer, *conversation(prompt, answers, self.native_tools))
+        return self._folded(chat_ids(self.tokenizer, *conversation(prompt, answers, self.native_tools)))
+
+    def encode_chat(self, messages: list[dict], functions: list[dict] | None = None) -> list[int]:
+        """Ids of a chat (`[{"role", "content"}, ...]`, offering `functions`, see `with_tools`) ending with the
+        generation prompt, modulo the vocabulary for a folded tokenizer."""
+        return self._folded(chat_ids(self.tokenizer, *with_tools(messages, functions, self.native_tools)))
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of plain text (no chat template; the tokenizer's own special tokens, as `eval.generate --no-chat`)."""
+        return self._folded(text_ids(self.tokenizer, text))
+
+    def _folded(self, ids: list[int]) -> list[int]:
         return [i % self.fold for i in ids] if self.fold else ids
 
     def decode(self, ids) -> str:

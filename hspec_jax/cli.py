@@ -134,6 +134,23 @@ def draft_length(text: str) -> str | int:
     return AUTO if text == AUTO else positive_int(text)
 
 
+def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--drafter`, `--recipe` and `--k` as the tools that serve one drafter take them (`eval.generate`,
+    `hspec_jax.serve`)."""
+    parser.add_argument(
+        "--drafter", default=None, help="drafter directory, shipped name (smollm2-hspec) or random:<kind>"
+    )
+    parser.add_argument(
+        "--recipe", default=None, help="recipe name or file for random:<kind> drafters (default: the target's)"
+    )
+    parser.add_argument(
+        "--k",
+        type=draft_length,
+        default=None,
+        help=f"drafted tokens per step, 1..{MAX_K}, or auto: chosen per step up to the drafter's k (the default)",
+    )
+
+
 def parse_ks(text: str) -> tuple[int | str, ...]:
     """`--k auto,2,7` -> ("auto", 2, 7): distinct draft lengths in 1..MAX_K, or auto (the adaptive policy)."""
     try:

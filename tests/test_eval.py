@@ -17,6 +17,7 @@ from eval.bootstrap import paired_bootstrap, ratio_gains
 from eval.report import PLOTS, write_report
 from hspec_jax.chat import ChatEncoder, conversation
 from hspec_jax.prompts import COUNTS, TASKS, load_prompts, parse_tasks, spread
+from hspec_jax.target_spec import load_target_spec
 
 
 def test_all_eight_tasks_load_with_the_documented_counts():
@@ -203,7 +204,7 @@ def test_compiled_programs_share_one_copy_of_the_weights():
     """Every (method, shape) compiled by eval.main runs on the weights placed once: compiling more programs adds
     no copy of them (on CPU each placement fuses q/k/v into new arrays; a copy per program took eval.main's k
     sweep on SmolLM2 past 22 GB)."""
-    target = eval_main.load_eval_target("random:tiny", None, 0)
+    target = load_target_spec("random:tiny", None, 0)
     prompt_ids = [[5, 6, 7, 8]]
     methods = eval_main.load_methods(target, ["random:hspec"], prompt_ids, ks=(2,))
     args = argparse.Namespace(max_new_tokens=4, temperature=0.0, seed=0)

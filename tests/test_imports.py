@@ -26,7 +26,8 @@ LAYERS = (
     ("kernels",),  # Pallas kernels beside their references
     ("drafters",),  # drafter networks and heads
     ("decoding", "checkpoints", "recipes"),  # draft-and-verify engine; checkpoint I/O; recipe configs
-    ("serving", "drafter_spec"),  # continuous batching; drafters named on a command line
+    ("serving", "drafter_spec", "target_spec"),  # continuous batching; drafters and targets named on a command line
+    ("serve",),  # the OpenAI-compatible HTTP server over the serving engine
 )
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -8,7 +8,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from hspec_jax.decoding import SamplingConfig, probabilities, sample
-from hspec_jax.decoding.sampling import KTH_CHUNK, kth_largest, top_p_cutoff
+from hspec_jax.decoding.sampling import KTH_CHUNK, RowSampling, kth_largest, top_p_cutoff
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 12, 0.6)])
@@ -103,3 +103,23 @@ def test_invalid_settings_are_rejected():
     for bad in (dict(temperature=-1.0), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5)):
         with pytest.raises(ValueError):
             SamplingConfig(**bad)
+
+
+def test_row_sampling_is_each_row_s_own_setting():
+    """A `RowSampling` gives each row the distribution its own temperature and top-p give alone (one-hot argmax at
+    temperature 0), and draws argmax for its greedy rows, whatever the other rows do; logits `[B, T, V]` too."""
+    logits = jax.random.normal(jax.random.key(0), (4, 3, 50)) * 3
+    settings = [(0.0, 1.0), (0.7, 1.0), (1.3, 0.6), (0.0, 0.3)]
+    rows = RowSampling.of([t for t, _ in settings], [p for _, p in settings])
+    probs = probabilities(logits, rows)
+    for i, (t, p) in enumerate(settings):
+        alone = probabilities(logits[i], SamplingConfig(temperature=t, top_p=p))
+        np.testing.assert_allclose(np.asarray(probs[i]), np.asarray(alone), atol=1e-6, err_msg=f"row {i}")
+    drawn = np.asarray(sample(jax.random.key(1), logits, rows))
+    argmax = np.asarray(jnp.argmax(logits, -1))
+    np.testing.assert_array_equal(drawn[[0, 3]], argmax[[0, 3]])
+    assert RowSampling.greedy is False
+    no_nucleus = RowSampling.of([0.7] * 4, [1.0] * 4)  # no row uses top-p: nothing cut
+    np.testing.assert_allclose(
+        np.asarray(probabilities(logits, no_nucleus)), np.asarray(jax.nn.softmax(logits / 0.7, -1)), atol=1e-6
+    )

@@ -272,3 +272,67 @@ def test_eval_serving_rejects_bad_arguments(tmp_path, capsys):
     with pytest.raises(SystemExit):
         eval_serving.main(["--memory-budget", "lots", "--out", str(tmp_path)])
     assert "expected bytes" in capsys.readouterr().err
+
+
+def test_cancel_frees_the_slot_and_pages_at_once(target_params, prompts, alone):
+    """A running request cancelled between iterations gives back its slot and pages before the next one (and the
+    tokens it had); a queued one leaves the queue; the others still get their answers, handed over token by token
+    (`on_tokens`) exactly as their completions hold them."""
+    bundle = served_bundle("plain", target_params, prompts)
+    config = dataclasses.replace(small_pool_config(bundle, prompts), num_pages=None)
+    handed: dict[str, list[int]] = {}
+    engine = ServingEngine(bundle, config, on_tokens=lambda r, t: handed.setdefault(r.id, []).extend(t.tolist()))
+    for i in (0, 1, 2, 3):
+        assert engine.submit(Request(f"r{i}", prompts[i])) is None
+    engine.step()
+    engine.step()
+    running = {s.request.id for s in engine.slots if s is not None}
+    assert running == {"r0", "r1"} and [r.id for r, _, _ in engine.queue] == ["r2", "r3"]
+    held = len(engine.allocator.held[[s.request.id for s in engine.slots].index("r0")])
+    used = engine.allocator.used
+    cancelled = engine.cancel("r0")
+    assert cancelled.cancelled and cancelled.request.id == "r0" and engine.running == 1
+    assert held > 0 and engine.allocator.used == used - held
+    engine.allocator.check()
+    np.testing.assert_array_equal(cancelled.tokens, alone[0][: len(cancelled.tokens)])
+    assert 1 <= len(cancelled.tokens) == len(handed["r0"]) and handed["r0"] == cancelled.tokens.tolist()
+    queued = engine.cancel("r3")
+    assert queued.cancelled and len(queued.tokens) == 0 and [r.id for r, _, _ in engine.queue] == ["r2"]
+    assert engine.cancel("r0") is None and engine.cancel("never") is None
+    engine.step()  # the free slot takes the next request at once
+    assert {s.request.id for s in engine.slots if s is not None} == {"r1", "r2"}
+    done = {}
+    while engine.busy:
+        done.update((c.request.id, c) for c in engine.step())
+    assert sorted(done) == ["r1", "r2"] and engine.allocator.used == 0
+    for i in (1, 2):
+        np.testing.assert_array_equal(done[f"r{i}"].tokens, alone[i])
+        assert handed[f"r{i}"] == alone[i].tolist()
+
+
+@pytest.mark.parametrize("kind", ["plain", "hspec"])
+def test_per_request_sampling_keeps_greedy_requests_greedy(kind, target_params, prompts, alone):
+    """One engine, each request at its own temperature and top-p: the greedy ones (temperature 0, or a nucleus so
+    small that only the argmax is left) get exactly their greedy answers beside requests that sample; those that
+    sample do not. An engine without per-request sampling refuses a request that asks for its own."""
+    bundle = served_bundle(kind, target_params, prompts)
+    config = dataclasses.replace(small_pool_config(bundle, prompts), num_pages=None, per_request_sampling=True)
+    engine = ServingEngine(bundle, config)
+    settings = {"r0": (0.0, None), "r1": (1.5, None), "r2": (1.0, 1e-6), "r3": (0.0, 0.5), "r4": (1.5, 0.9)}
+    for i, (temperature, top_p) in enumerate(settings.values()):
+        assert engine.submit(Request(f"r{i}", prompts[i], seed=i, temperature=temperature, top_p=top_p)) is None
+    done, seen = {}, {}
+    while engine.busy:
+        done.update((c.request.id, c.tokens) for c in engine.step())
+        for slot, s in enumerate(engine.slots):  # every slot samples with its own request's settings
+            if s is not None:
+                row = (engine.rows.temperature[slot], engine.rows.top_p[slot])
+                seen[s.request.id] = tuple(round(float(x), 6) for x in row)
+    assert seen == {k: (t, 1.0 if p is None else p) for k, (t, p) in settings.items()}
+    for i in (0, 2, 3):
+        np.testing.assert_array_equal(done[f"r{i}"], alone[i], err_msg=f"r{i} {settings[f'r{i}']}")
+    assert not all(np.array_equal(done[f"r{i}"], alone[i]) for i in (1, 4))
+    fixed = ServingEngine(bundle, dataclasses.replace(config, per_request_sampling=False))
+    assert "per_request_sampling is off" in fixed.submit(Request("x", prompts[0], temperature=0.7)).refused
+    assert fixed.submit(Request("y", prompts[0], temperature=0.0, top_p=1.0)) is None  # the engine's own setting
+    assert "top_p must be in (0, 1]" in engine.refusal(Request("z", prompts[0], top_p=0.0))

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from hspec_jax.decoding.batching import bucketed_shapes, pad_to_width
 from hspec_jax.decoding.placement import Placement
-from hspec_jax.decoding.sampling import SamplingConfig, sample
+from hspec_jax.decoding.sampling import RowSampling, SamplingConfig, sample
 from hspec_jax.models.config import TargetConfig
 from hspec_jax.models.decoder import forward
 from hspec_jax.models.kv_cache import KVCache, check_capacity, commit, init_cache
@@ -44,22 +44,28 @@ def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "taps"), donate_argnames=("cache",))
-def prefill(
+def prefill_unjitted(
     params: dict,
     config: TargetConfig,
     prompts: jax.Array,
     lengths: jax.Array,
     cache: KVCache,
     rng: jax.Array,
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingConfig | RowSampling = SamplingConfig(),
     taps: tuple[int, ...] = (),
 ) -> Prefilled:
-    """prompts `[B, T]` right-padded with `lengths [B]` into an empty cache -> first token per sequence."""
+    """prompts `[B, T]` right-padded with `lengths [B]` into an empty cache -> first token per sequence. `prefill`
+    is its jitted form; this one is for callers that trace it inside their own jit (`sampling` may be a
+    `RowSampling` there)."""
     out = forward(params, config, prompts, cache, taps, logit_indices=(lengths - 1)[:, None])
     logits = out.logits[:, 0]
     token = sample(rng, logits, sampling)
     return Prefilled(commit(out.cache, lengths), token, logits, out.hidden)
+
+
+prefill = functools.partial(jax.jit, static_argnames=("config", "sampling", "taps"), donate_argnames=("cache",))(
+    prefill_unjitted
+)
 
 
 class DecodeState(NamedTuple):
@@ -85,10 +91,11 @@ def start_decode(
     return DecodeState(jnp.int32(1), tokens, first_token, num, done, rng)
 
 
-def _decode_steps(
+def decode_steps(
     params, config, state: DecodeState, cache: KVCache, steps: int, max_new_tokens, sampling, eos_ids, pad_id
 ):
-    """Up to `steps` decoding steps (fewer once every sequence is done) -> (state, cache)."""
+    """Up to `steps` decoding steps (fewer once every sequence is done) -> (state, cache): the loop `decode_chunk`
+    and `decode` jit, for callers that trace it inside their own jit (`sampling` may be a `RowSampling` there)."""
     limit = jnp.minimum(state.step + steps, max_new_tokens)
 
     def cond(carry):
@@ -130,7 +137,7 @@ def decode_chunk(
     """At most `steps` more decoding steps (traced: one compilation serves every chunk size), for callers that
     stream tokens or stop between chunks. Chained from `start_decode` until every sequence is done, it gives
     exactly `decode`'s tokens."""
-    return _decode_steps(params, config, state, cache, steps, max_new_tokens, sampling, eos_ids, pad_id)
+    return decode_steps(params, config, state, cache, steps, max_new_tokens, sampling, eos_ids, pad_id)
 
 
 @functools.partial(jax.jit, static_argnames=_LOOP_STATIC, donate_argnames=("cache",))
@@ -148,9 +155,7 @@ def decode(
 ) -> Generation:
     """Continue from `first_token [B]` (already generated, not yet in the cache) on device, to the end."""
     state = start_decode(cache, first_token, rng, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
-    state, cache = _decode_steps(
-        params, config, state, cache, max_new_tokens, max_new_tokens, sampling, eos_ids, pad_id
-    )
+    state, cache = decode_steps(params, config, state, cache, max_new_tokens, max_new_tokens, sampling, eos_ids, pad_id)
     return Generation(state.tokens, state.num, cache)
 
 

@@ -3,12 +3,19 @@
 `SamplingConfig` is frozen and hashable (a static argument under jit). `probabilities` is the single
 place that turns logits into the distribution tokens are drawn from, so speculative decoding applies
 exactly the same processing to the target's p and the drafter's q.
+
+`RowSampling` holds one temperature and one top-p per sequence as arrays (traced, so one compiled program serves
+every mix of requests, as a server needs); the loops' un-jitted bodies take it wherever they take a
+`SamplingConfig`. A row at temperature 0 is greedy: its distribution is one-hot on the argmax, so its tokens are
+exactly greedy decoding's, under draft-and-verify too (a one-hot p accepts a draft iff it is the argmax, and the
+residual after a rejection is the argmax).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -36,6 +43,27 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@flax.struct.dataclass
+class RowSampling:
+    """Per-sequence sampling settings: temperature `[B]` (0: that row is greedy) and top_p `[B]` (1.0: off); no
+    top-k. `greedy` is False: the loops compute full distributions (one-hot for the greedy rows)."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+
+    greedy = False  # a class constant, not a field: the loops branch on it statically
+
+    @staticmethod
+    def of(temperature, top_p) -> RowSampling:
+        """From per-row values (lists or arrays), as fp32."""
+        return RowSampling(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32))
+
+
+def _per_row(x: jax.Array, like: jax.Array) -> jax.Array:
+    """Row values `[B]` shaped `[B, 1, ...]` to broadcast against `like [B, ...]`."""
+    return x.reshape(x.shape + (1,) * (like.ndim - 1))
 
 
 def kth_largest(x: jax.Array, k: int) -> jax.Array:
@@ -81,8 +109,23 @@ def top_p_cutoff(logits: jax.Array, top_p: float) -> jax.Array:
     return jnp.min(jnp.where(keys >= hi, logits, jnp.inf), axis=-1, keepdims=True)
 
 
-def filtered_logits(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
+def _row_filtered_logits(logits: jax.Array, rows: RowSampling) -> jax.Array:
+    """`filtered_logits` with a temperature and a top-p per row (greedy rows divided by 1: their draw is replaced
+    by the argmax); the top-p bisection runs only when some row uses top-p, and changes only those rows."""
+    temperature = _per_row(rows.temperature, logits)
+    logits = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
+    top_p = _per_row(rows.top_p, logits)
+
+    def nucleus(x):
+        return jnp.where((top_p < 1.0) & (x < top_p_cutoff(x, top_p)), NEG_INF, x)
+
+    return jax.lax.cond(jnp.any(rows.top_p < 1.0), nucleus, lambda x: x, logits)
+
+
+def filtered_logits(logits: jax.Array, sampling: SamplingConfig | RowSampling) -> jax.Array:
     """`[..., V]` fp32 logits / temperature, with tokens outside top-k / top-p set to -inf."""
+    if isinstance(sampling, RowSampling):
+        return _row_filtered_logits(logits, sampling)
     logits = logits.astype(jnp.float32) / sampling.temperature
     if sampling.top_k:
         logits = jnp.where(logits < kth_largest(logits, sampling.top_k), NEG_INF, logits)
@@ -91,15 +134,24 @@ def filtered_logits(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
     return logits
 
 
-def probabilities(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
-    """The distribution `[..., V]` (fp32) that `sample` draws from; one-hot argmax when greedy."""
+def probabilities(logits: jax.Array, sampling: SamplingConfig | RowSampling) -> jax.Array:
+    """The distribution `[..., V]` (fp32) that `sample` draws from; one-hot argmax when greedy (per row for a
+    `RowSampling`: logits `[B, ..., V]`)."""
+    one_hot = lambda: jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
     if sampling.greedy:
-        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    return jax.nn.softmax(filtered_logits(logits, sampling), axis=-1)
+        return one_hot()
+    probs = jax.nn.softmax(filtered_logits(logits, sampling), axis=-1)
+    if isinstance(sampling, RowSampling):
+        probs = jnp.where(_per_row(sampling.temperature == 0, logits), one_hot(), probs)
+    return probs
 
 
-def sample(rng: jax.Array, logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
-    """Draw token ids `[...]` (int32) from `logits [..., V]`."""
+def sample(rng: jax.Array, logits: jax.Array, sampling: SamplingConfig | RowSampling) -> jax.Array:
+    """Draw token ids `[...]` (int32) from `logits [..., V]` (`[B, ..., V]` for a `RowSampling`)."""
+    argmax = lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if sampling.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(rng, filtered_logits(logits, sampling), axis=-1).astype(jnp.int32)
+        return argmax()
+    drawn = jax.random.categorical(rng, filtered_logits(logits, sampling), axis=-1).astype(jnp.int32)
+    if isinstance(sampling, RowSampling):
+        drawn = jnp.where(_per_row(sampling.temperature == 0, drawn), argmax(), drawn)
+    return drawn

@@ -271,8 +271,7 @@ def _room(cache: KVCache, k: int) -> jax.Array:
     return cache.lengths + k + 1 <= cache.capacity
 
 
-@_engine_jit
-def spec_prefill(
+def spec_prefill_unjitted(
     bundle: Bundle,
     prompts: jax.Array,
     lengths: jax.Array,
@@ -294,7 +293,9 @@ def spec_prefill(
     go at each sequence's committed length, so a long prompt can be fed in pieces (earlier pieces committed by
     earlier calls, whose states are discarded). With a `policy`, `costs [C]` is its cost table (`costs.py`),
     `prior` what the sequences' estimates start from (default: the policy's first prior; see `policy.py`), and the
-    first step's draft length is chosen from the first block's confidence and that prior."""
+    first step's draft length is chosen from the first block's confidence and that prior. `spec_prefill` is its
+    jitted form; this one is for callers that trace it inside their own jit (`sampling` may be a `RowSampling`
+    there)."""
     target_params, drafter = bundle.target_params, bundle.drafter
     k = drafter.num_drafts
     batch = prompts.shape[0]
@@ -355,8 +356,13 @@ def spec_prefill(
     return state, cache, context
 
 
-def _spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sampling, eos_ids, pad_id, policy):
-    """Up to `steps` draft-and-verify steps (fewer once every sequence is done) -> (state, cache, context)."""
+spec_prefill = _engine_jit(spec_prefill_unjitted)
+
+
+def spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sampling, eos_ids, pad_id, policy):
+    """Up to `steps` draft-and-verify steps (fewer once every sequence is done) -> (state, cache, context): the
+    loop `spec_decode_chunk` and `spec_decode` jit, for callers that trace it inside their own jit (`sampling` may
+    be a `RowSampling` there)."""
     drafter = bundle.drafter
     k = drafter.num_drafts
     batch = state.anchor.shape[0]
@@ -514,7 +520,7 @@ def spec_decode(
     policy: AdaptivePolicy | None = None,
 ) -> SpecGeneration:
     """Run draft-and-verify steps on device until every sequence is done (see the module docstring)."""
-    final, cache, context = _spec_steps(
+    final, cache, context = spec_steps(
         bundle, state, cache, context, max_new_tokens, max_new_tokens, sampling, eos_ids, pad_id, policy
     )
     if final.pending is not None:  # the drafter cache handed back holds every committed row
@@ -541,7 +547,7 @@ def spec_decode_chunk(
     """At most `steps` more draft-and-verify steps (traced: one compilation serves every chunk size), for callers
     that stream or stop between chunks. Chained from `spec_prefill` until every sequence is done, it gives exactly
     `spec_decode`'s tokens and statistics; `state.tokens[:, :max_new_tokens]` and `state.num` are the output so far."""
-    return _spec_steps(bundle, state, cache, context, steps, max_new_tokens, sampling, eos_ids, pad_id, policy)
+    return spec_steps(bundle, state, cache, context, steps, max_new_tokens, sampling, eos_ids, pad_id, policy)
 
 
 def measure_costs(

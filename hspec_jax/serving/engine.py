@@ -23,6 +23,16 @@ One `step` is one scheduling iteration:
    that finished before it ended with (the policy's prior, kept in the loop state), not from scratch;
 5. hand back the finished requests and free their slots and pages at once.
 
+`cancel(request_id)` takes a request out between two iterations, queued or running: its slot and pages are free
+for the next one (a server cancels so a request whose client went away, or that reached its own token limit or
+stop string). With `on_tokens`, each request's tokens are handed over as they become available: its first at the
+end of its prefill, the others after each iteration's decoding steps (one read of the output buffer per iteration);
+a preempted request starts again from its prompt, and its tokens are handed over again from the first.
+
+With `ServingConfig.per_request_sampling` each request samples at its own temperature and top-p (`Request`), every
+mix of them in one compiled program (`hspec_jax.decoding.sampling.RowSampling`); a request at temperature 0 gets
+exactly its greedy answer, next to others that sample.
+
 A request that can never be served (an empty prompt, a prompt over `max_prompt_tokens`, more pages than the whole
 pool) is refused when submitted, with the reason in its `Completion`: never a crash, never a truncated answer. A
 preempted request keeps its submission time; its first token and token times are those of the run that completes.
@@ -39,17 +49,19 @@ import collections
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hspec_jax.decoding.autoregressive import decode_chunk, prefill, start_decode
+from hspec_jax.decoding.autoregressive import decode_steps, prefill_unjitted, start_decode
+from hspec_jax.decoding.batching import bucket, pad_batch
 from hspec_jax.decoding.bundle import Bundle, init_caches
 from hspec_jax.decoding.policy import AdaptivePolicy, first_prior
-from hspec_jax.decoding.sampling import SamplingConfig
-from hspec_jax.decoding.speculative import spec_decode_chunk, spec_prefill
+from hspec_jax.decoding.sampling import RowSampling, SamplingConfig
+from hspec_jax.decoding.speculative import SpecStats, adaptive_costs, spec_prefill_unjitted, spec_steps
 from hspec_jax.drafters.config import check_target
 from hspec_jax.models.kv_cache import KVBuffers
 from hspec_jax.serving.allocator import PageAllocator, pages_for
@@ -75,6 +87,9 @@ class ServingConfig:
     seed: int = 0
     layout: str = "paged"  # "paged": the shared pool; "dense": one contiguous cache row per slot (no gather)
     policy: AdaptivePolicy | None = None  # adaptive draft length (with a drafter); None: the drafter's k every step
+    # True: each request brings its own temperature and top-p (`Request`; `sampling` is the default of those that do
+    # not), one compiled program for every mix (`RowSampling`); False: every request samples with `sampling`.
+    per_request_sampling: bool = False
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -86,12 +101,16 @@ class ServingConfig:
             raise ValueError(f"steps_per_iteration must be >= 1, got {self.steps_per_iteration}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (the null page and one more), got {self.num_pages}")
+        if self.per_request_sampling and self.sampling.top_k:
+            raise ValueError("per-request sampling has a temperature and a top-p per request, no top-k")
 
 
 class Request(NamedTuple):
     id: str
     prompt: tuple[int, ...]  # token ids
     seed: int = 0  # sampling seed of its prefill
+    temperature: float | None = None  # None: the engine's `ServingConfig.sampling`; other values need
+    top_p: float | None = None  # `ServingConfig.per_request_sampling`
 
 
 @dataclasses.dataclass
@@ -106,6 +125,8 @@ class Completion:
     accepted: int = 0  # drafted tokens accepted
     preemptions: int = 0
     refused: str | None = None  # why the request was not served
+    cancelled: bool = False  # taken out by `cancel`: `tokens` are those generated until then
+    stats: SpecStats | None = None  # draft-and-verify: the request's own statistics (one row)
 
 
 @dataclasses.dataclass
@@ -165,10 +186,10 @@ def _start_one(bundle: Bundle, cache, context, tokens, length, rng, costs, prior
     None without one)."""
     if bundle.drafter is None:
         first_rng, loop_rng = jax.random.split(rng)
-        pre = prefill(bundle.target_params, bundle.target, tokens, length, cache, first_rng, kw["sampling"])
+        pre = prefill_unjitted(bundle.target_params, bundle.target, tokens, length, cache, first_rng, kw["sampling"])
         loop = {name: kw[name] for name in ("max_new_tokens", "eos_ids", "pad_id")}
         return start_decode(pre.cache, pre.token, loop_rng, **loop), pre.cache, context
-    return spec_prefill(bundle, tokens, length, cache, context, rng, costs, prior, **kw)
+    return spec_prefill_unjitted(bundle, tokens, length, cache, context, rng, costs, prior, **kw)
 
 
 @_serve_jit
@@ -182,6 +203,7 @@ def prefill_slot(
     length,
     final,
     rng,
+    rows,
     *,
     max_new_tokens,
     sampling,
@@ -191,7 +213,10 @@ def prefill_slot(
 ):
     """One chunk `tokens [1, C]` (the first `length [1]` real) of slot `slot`'s prompt, written at its committed
     length and committed. On the `final` chunk the slot's row of the loop state becomes that of a sequence that
-    just started (first token sampled, first block drafted); before it, the row is left as it is (finished)."""
+    just started (first token sampled, first block drafted); before it, the row is left as it is (finished).
+    `rows`: every slot's `RowSampling` (per-request sampling), or None (`sampling` for all)."""
+    if rows is not None:
+        sampling = jax.tree.map(lambda x: x[slot][None], rows)
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
     costs, prior = (None, None) if policy is None else (state.policy.costs, state.policy.prior)
     view_cache, view_context = cache.slot(slot), _slot_of(context, slot)
@@ -214,6 +239,7 @@ def decode_slots(
     context,
     steps,
     rng,
+    rows,
     *,
     max_new_tokens,
     sampling,
@@ -221,28 +247,58 @@ def decode_slots(
     pad_id,
     policy,
 ):
-    """Up to `steps` decoding steps of every slot (`decode_chunk` or `spec_decode_chunk`, counted from 0)."""
-    kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id)
+    """Up to `steps` decoding steps of every slot (the loops of `decode_chunk` or `spec_decode_chunk`, counted from
+    0), sampling each slot with its row of `rows` (a `RowSampling`), or all with `sampling` (`rows` None)."""
+    sampling = sampling if rows is None else rows
+    loop = (max_new_tokens, sampling, eos_ids, pad_id)
     if bundle.drafter is None:
         state = state._replace(step=jnp.int32(0), rng=rng)
-        state, cache = decode_chunk(bundle.target_params, bundle.target, state, cache, steps, **kw)
+        state, cache = decode_steps(bundle.target_params, bundle.target, state, cache, steps, *loop)
         return state, cache, context
     state = state._replace(step=jnp.int32(0))
-    return spec_decode_chunk(bundle, state, cache, context, steps, **kw, policy=policy)
+    return spec_steps(bundle, state, cache, context, steps, *loop, policy)
+
+
+def engine_costs(
+    bundle: Bundle, policy: AdaptivePolicy, slots: int, prompt: list[int], max_new_tokens: int, sampling, seed: int = 0
+) -> np.ndarray:
+    """The adaptive policy's cost table for an engine of `slots` slots: cached per machine and shape, or measured on
+    the contiguous-cache loop at that batch, every sequence answering `prompt`."""
+    tokens, lengths = pad_batch([prompt] * slots, 0, bucket(len(prompt)))
+    capacity = bucket(tokens.shape[1] + max_new_tokens + bundle.lookahead)
+    return adaptive_costs(
+        bundle,
+        tokens,
+        lengths,
+        lambda: init_caches(bundle, slots, capacity),
+        capacity,
+        jax.random.key(seed),
+        policy=policy,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+    )
 
 
 class ServingEngine:
     """See the module docstring: serves `bundle` (its target alone, or with its drafter). `clock` gives the times in
     `Completion`s (seconds). With `config.policy`, `costs` is its cost table T(k) / T(0) per choice
-    (`hspec_jax/decoding/costs.py`)."""
+    (`hspec_jax/decoding/costs.py`). `on_tokens(request, tokens)`, if given, receives each request's new token ids
+    (int32 numpy) as they become available, in order, from inside `step`."""
 
-    def __init__(self, bundle: Bundle, config: ServingConfig, clock=time.perf_counter, costs=None):
+    def __init__(
+        self,
+        bundle: Bundle,
+        config: ServingConfig,
+        clock=time.perf_counter,
+        costs=None,
+        on_tokens: Callable[[Request, np.ndarray], None] | None = None,
+    ):
         if bundle.drafter is not None:
             check_target(bundle.drafter, bundle.target)
         if config.policy is not None and (bundle.drafter is None or costs is None):
             raise ValueError("an adaptive draft length needs a drafter and a cost table (costs)")
         self.bundle, self.config, self.clock = bundle, config, clock
-        self.costs = costs
+        self.costs, self.on_tokens = costs, on_tokens
         c = config
         self.max_pages = pages_for(c.max_prompt_tokens + c.max_new_tokens + bundle.lookahead, c.page_size)
         num_pages = c.num_pages or c.slots * self.max_pages + 1
@@ -260,6 +316,10 @@ class ServingEngine:
         self._kw = dict(
             max_new_tokens=c.max_new_tokens, sampling=c.sampling, eos_ids=c.eos_ids, pad_id=c.pad_id, policy=c.policy
         )
+        # Per-request sampling: each slot's temperature and top-p (host copy; the device copy follows on change).
+        self.temperature = np.full(c.slots, c.sampling.temperature, np.float32)
+        self.top_p = np.full(c.slots, c.sampling.top_p, np.float32)
+        self.rows = RowSampling.of(self.temperature, self.top_p) if c.per_request_sampling else None
         self.state = self._empty_state()
         self.queue: collections.deque[tuple[Request, float, int]] = collections.deque()
         self.slots: list[_Slot | None] = [None] * c.slots
@@ -295,6 +355,17 @@ class ServingEngine:
             return f"prompt of {n} tokens exceeds the serving limit of {self.config.max_prompt_tokens}"
         if max(request.prompt) >= self.bundle.target.vocab_size or min(request.prompt) < 0:
             return f"token ids outside the model's vocabulary of {self.bundle.target.vocab_size}"
+        sampling = self.config.sampling
+        if request.temperature is not None and not 0 <= request.temperature < float("inf"):
+            return f"temperature must be a finite number >= 0, got {request.temperature}"
+        if request.top_p is not None and not 0 < request.top_p <= 1:
+            return f"top_p must be in (0, 1], got {request.top_p}"
+        own = (self._temperature(request), self._top_p(request)) != (sampling.temperature, sampling.top_p)
+        if own and not self.config.per_request_sampling:
+            return (
+                f"this engine samples every request at temperature {sampling.temperature}, top_p {sampling.top_p} "
+                "(ServingConfig.per_request_sampling is off)"
+            )
         pages = self.request_pages(n)
         if pages > self.allocator.usable:
             return f"needs {pages} KV pages, more than the pool's {self.allocator.usable}"
@@ -319,12 +390,29 @@ class ServingEngine:
             rng = jax.random.fold_in(jax.random.key(self.config.seed), self.iterations)
             steps = jnp.int32(self.config.steps_per_iteration)
             self.state, self.cache, self.context = decode_slots(
-                self.bundle, self.state, self.cache, self.context, steps, rng, **self._kw
+                self.bundle, self.state, self.cache, self.context, steps, rng, self._device_rows(), **self._kw
             )
         finished = self._collect()
         self.iterations += 1
         self.occupancy.append(self.allocator.used)
         return finished
+
+    def cancel(self, request_id: str) -> Completion | None:
+        """Take request `request_id` out, queued or running (call it between iterations): a running request's slot
+        and pages are free for the next iteration -> its `Completion` (`cancelled`, with the tokens generated so
+        far), None when no queued or running request has that id (it finished, or never came)."""
+        for i, (request, submitted, preemptions) in enumerate(self.queue):
+            if request.id == request_id:
+                del self.queue[i]
+                empty = np.zeros(0, np.int32)
+                return Completion(request, empty, submitted, None, self.clock(), [], 0, 0, preemptions, cancelled=True)
+        for slot, s in enumerate(self.slots):
+            if s is not None and s.request.id == request_id:
+                completion = self._completion(slot, s, self.clock())
+                completion.cancelled = True
+                self._free(slot)
+                return completion
+        return None
 
     def reset_counters(self) -> None:
         """Forget the occupancy samples, preemptions and iterations so far (after a warm-up run, when idle)."""
@@ -343,7 +431,9 @@ class ServingEngine:
         prior = None if c.policy is None else first_prior(c.policy)
         key = jax.random.key(0)
         one = jax.eval_shape(
-            lambda: _start_one(self.bundle, view, view_context, tokens, length, key, costs, prior, **self._kw)[0]
+            lambda: _start_one(
+                self.bundle, view, view_context, tokens, length, key, costs, prior, **self._kw_one_row()
+            )[0]
         )
         rows = jax.tree.map(lambda x: jnp.zeros((c.slots, *x.shape[1:]), x.dtype), _per_slot(one))
         rows["done"] = jnp.ones((c.slots,), bool)
@@ -370,6 +460,29 @@ class ServingEngine:
             self._admitted += 1
             self.lengths[slot] = 0
             self._table_dirty = True
+            if self.config.per_request_sampling:
+                self.temperature[slot], self.top_p[slot] = self._temperature(request), self._top_p(request)
+                self.rows = None  # copied to the device again (`_device_rows`)
+
+    def _temperature(self, request: Request) -> float:
+        return self.config.sampling.temperature if request.temperature is None else request.temperature
+
+    def _top_p(self, request: Request) -> float:
+        return self.config.sampling.top_p if request.top_p is None else request.top_p
+
+    def _device_rows(self) -> RowSampling | None:
+        """Every slot's sampling settings on the device (per-request sampling), None otherwise."""
+        if not self.config.per_request_sampling:
+            return None
+        if self.rows is None:
+            self.rows = RowSampling.of(self.temperature, self.top_p)
+        return self.rows
+
+    def _kw_one_row(self) -> dict:
+        """The loop settings of one sequence started alone (`_start_one`): one row of `RowSampling` if per request."""
+        if not self.config.per_request_sampling:
+            return self._kw
+        return self._kw | {"sampling": RowSampling.of(self.temperature[:1], self.top_p[:1])}
 
     def _prefill(self) -> None:
         """One prompt chunk for every admitted slot that has not started decoding."""
@@ -393,18 +506,22 @@ class ServingEngine:
                 np.asarray([len(chunk)], np.int32),
                 jnp.asarray(final),
                 jax.random.key(s.request.seed),
+                self._device_rows(),
                 **self._kw,
             )
             s.fed += len(chunk)
             self.lengths[slot] = s.fed
             if final:
-                started.append(s)
+                started.append((slot, s))
         if started:
             jax.block_until_ready(self.state.num)
             now = self.clock()
-            for s in started:
+            first = self._read_tokens()
+            for slot, s in started:
                 s.emitted, s.first_token = 1, now
                 s.bursts.append((now, 1))
+                if first is not None:
+                    self.on_tokens(s.request, first[slot, :1])
 
     def _reserve(self) -> bool:
         """Pages for the rows the next decoding steps may write, oldest requests first, preempting the youngest
@@ -444,6 +561,7 @@ class ServingEngine:
     def _collect(self) -> list[Completion]:
         """Read every slot's progress; hand back and free the finished ones."""
         num, done, lengths = jax.device_get((self.state.num, self.state.done, self.cache.lengths))
+        tokens = self._read_tokens()
         now = self.clock()
         finished = []
         for slot, s in self._by_admission():
@@ -452,19 +570,29 @@ class ServingEngine:
             self.lengths[slot] = lengths[slot]
             if num[slot] > s.emitted:
                 s.bursts.append((now, int(num[slot] - s.emitted)))
+                if tokens is not None:
+                    self.on_tokens(s.request, tokens[slot, s.emitted : num[slot]])
                 s.emitted = int(num[slot])
             if done[slot]:
                 finished.append(self._completion(slot, s, now))
                 self._free(slot)
         return finished
 
+    def _read_tokens(self) -> np.ndarray | None:
+        """Every slot's output buffer `[slots, ...]` when tokens are handed over (`on_tokens`), else None."""
+        return None if self.on_tokens is None else np.asarray(jax.device_get(self.state.tokens))
+
     def _completion(self, slot: int, s: _Slot, now: float) -> Completion:
         tokens = np.asarray(jax.device_get(self.state.tokens[slot, : s.emitted]))
         steps = accepted = 0
+        row = None
         stats = getattr(self.state, "stats", None)
-        if stats is not None:
-            steps, accepted = (int(x) for x in jax.device_get((stats.steps[slot], stats.accepted[slot])))
-        return Completion(s.request, tokens, s.submitted, s.first_token, now, s.bursts, steps, accepted, s.preemptions)
+        if stats is not None and s.decoding:  # before its prefill ends, the slot's row is its previous request's
+            row = SpecStats(*(np.asarray(x) for x in jax.device_get(jax.tree.map(lambda x: x[slot : slot + 1], stats))))
+            steps, accepted = int(row.steps[0]), int(row.accepted[0])
+        return Completion(
+            s.request, tokens, s.submitted, s.first_token, now, s.bursts, steps, accepted, s.preemptions, stats=row
+        )
 
     def _by_admission(self) -> list[tuple[int, _Slot]]:
         """(slot, bookkeeping) of the occupied slots, oldest admission first."""
