@@ -46,7 +46,7 @@ table, per-request sampling) in this process on the same prompts, and the report
 
     python -m hspec_jax.serve --target smollm2 --slots 16 --max-tokens 64 --port 8000 &
     python -m eval.serving --url http://127.0.0.1:8000 --in-process --concurrency 1,16 --requests 64 \\
-        --max-new-tokens 64 --out /tmp/http-serving
+        --max-new-tokens 64 --out runs/http-serving
 """
 
 from __future__ import annotations
