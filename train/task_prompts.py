@@ -431,11 +431,11 @@ def tool_use_prompt(rng: random.Random) -> list[dict]:
     return [{"role": "system", "content": TOOLS_SYSTEM.format(tools=tools)}, {"role": "user", "content": request}]
 
 
-def stdlib_functions(max_lines: int = 40) -> list[tuple[str, str, str]]:
-    """(signature with docstring, whole source, source without its docstring) of the Python standard library's
-    documented top-level functions and methods of at most `max_lines` lines, tests and private names excluded,
-    sorted by module path."""
-    root = sysconfig.get_paths()["stdlib"]
+def stdlib_functions(max_lines: int = 40, root: str | None = None) -> list[tuple[str, str, str]]:
+    """(signature with docstring, whole source, source without its docstring) of the documented functions and
+    methods of at most `max_lines` lines in the Python files under `root` (default: the standard library), tests
+    and private names excluded, sorted by module path."""
+    root = root or sysconfig.get_paths()["stdlib"]
     skip = re.compile(r"(^|/)(test|tests|idlelib|lib2to3|site-packages|turtledemo|ensurepip|tkinter)(/|$)")
     found = []
     for folder, dirs, files in os.walk(root):
@@ -479,7 +479,7 @@ class Pools:
     """The real texts the templates are filled with, read once: ShareGPT questions, first turns, passages and
     sentences by language (from conversations not in `exclude_ids`), and standard-library functions."""
 
-    def __init__(self, exclude_ids: set[str]):
+    def __init__(self, exclude_ids: set[str], code_root: str | None = None):
         self.questions, self.first_turns, self.passages = [], [], []
         self.sentences = {code: [] for code in LANGUAGES}
         for record in sharegpt_records():
@@ -491,14 +491,14 @@ class Pools:
                 self.first_turns.append(users[0])
             for m in messages:
                 text, words = m["content"], len(m["content"].split())
-                code = language(text) if words >= 20 else None
-                if code == "en":
+                if language(text) == "en":  # a short English question is still a question
                     self.questions += [s for s in sentences(text, 6, 25) if _QUESTION.match(s)]
+                code = language(text) if words >= 20 else None  # a language guess needs some words
                 if m["role"] == "assistant" and code == "en" and 150 <= words <= 450 and "```" not in text:
                     self.passages.append(text)
                 if code is not None and (code != "en" or m["role"] == "assistant"):
                     self.sentences[code] += sentences(text)
-        self.functions = stdlib_functions()
+        self.functions = stdlib_functions(root=code_root)
 
 
 def family_prompts(family: str, pools: Pools, rng: random.Random, held_out: bool = False) -> list[dict]:
@@ -517,7 +517,7 @@ def family_prompts(family: str, pools: Pools, rng: random.Random, held_out: bool
     if family == "summarization":
         return [{"role": "user", "content": rng.choice(SUMMARY_INSTRUCTIONS).format(text=rng.choice(pools.passages))}]
     if family == "translation":
-        source = rng.choice(["de", "de", "fr", "es", "en"])
+        source = rng.choice([c for c in ("de", "de", "fr", "es", "en") if pools.sentences[c]])
         target = rng.choice(["de", "fr", "es"]) if source == "en" else "en"
         sentence = rng.choice(pools.sentences[source])
         return [{"role": "user", "content": f"Translate {LANGUAGES[source]} to {LANGUAGES[target]}: {sentence}"}]
