@@ -214,8 +214,7 @@ class Frontend:
         self.in_flight += 1
         self.worker.submit(job)
         answer = Answer(kind, self.served.model)
-        decode = self.served.encoder.decode
-        text = TextStream(lambda ids: decode(ids), params.stops())
+        text = TextStream(self.served.encoder.decode, params.stops())
         closed = []
 
         def close(outcome: str = "cancelled") -> None:
