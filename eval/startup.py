@@ -1,7 +1,7 @@
 """Where a whole `eval.generate` process spends its time, from an empty and from a warm user cache, beside a fresh
 transformers process that writes the same answer.
 
-    python -m benchmarks.startup [--runs 3] [--max-new-tokens 16] [--drafter smollm2-hspec] [--prompt ...]
+    python -m eval.startup [--runs 3] [--max-new-tokens 16] [--drafter smollm2-hspec] [--prompt ...]
 
 Each run is a new process, as a user meets it, alternating: ours from an empty cache (a fresh `XDG_CACHE_HOME`:
 no step costs, no converted tokenizer, no compiled programs), ours warm (the cache the previous runs filled), and
@@ -116,7 +116,7 @@ def run_process(cmd: list[str], env: dict) -> tuple[float, str]:
 
 def ours(args, cache_home: str) -> dict:
     env = {**os.environ, "XDG_CACHE_HOME": cache_home, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "benchmarks.startup", "--probe", "--", "--target", "smollm2"]
+    cmd = [sys.executable, "-m", "eval.startup", "--probe", "--", "--target", "smollm2"]
     if args.drafter:
         cmd += ["--drafter", args.drafter]
     cmd += ["--prompt", args.prompt, "--max-new-tokens", str(args.max_new_tokens), "--repeats", "0"]
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     if argv is None and sys.argv[1:2] == ["--probe"]:
         probe(sys.argv[3:] if sys.argv[2:3] == ["--"] else sys.argv[2:])
         return 0
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.startup", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m eval.startup", description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--drafter", default="smollm2-hspec", help="'' for the target alone")
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
             f"{records['ours, warm cache'][-1]['wall']:.1f} s, transformers {transformers[-1]:.1f} s",
             flush=True,
         )
-    command = "python -m benchmarks.startup" + (f" --runs {args.runs}" if args.runs != 3 else "")
+    command = "python -m eval.startup" + (f" --runs {args.runs}" if args.runs != 3 else "")
     lines = [
         "# Start-up: one answer as a whole process",
         "",
@@ -209,9 +209,11 @@ def main(argv=None) -> int:
         *table(records, transformers),
     ]
     print("\n".join(lines))
-    from benchmarks.common import write_report
 
-    write_report(args.out, lines)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
     return 0
 
 

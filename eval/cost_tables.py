@@ -1,7 +1,7 @@
 """Do first-use cost tables agree with a long quiet measurement? Each first use is a whole `eval.generate` process
 with an empty user cache, as a user meets it.
 
-    python -m benchmarks.cost_tables [--repeats 5] [--reference-rounds 15] [--drafter smollm2-hspec]
+    python -m eval.cost_tables [--repeats 5] [--reference-rounds 15] [--drafter smollm2-hspec]
 
 Runs `eval.generate --target smollm2 --drafter ... --k auto --max-new-tokens 8 --repeats 0` `--repeats` times, each
 with a fresh `XDG_CACHE_HOME` (so each measures its table at first use, `hspec_jax/decoding/costs.py`) and one
@@ -37,7 +37,7 @@ def measure(args, rounds: int, compile_cache: str) -> dict[int, float]:
     """One whole process measuring its table at first use -> {k: T(k)/T(0)}."""
     with tempfile.TemporaryDirectory(prefix="hspec-costs-") as home:
         env = {**os.environ, "XDG_CACHE_HOME": home, "HF_HUB_OFFLINE": "1"}
-        cmd = [sys.executable, "-m", "benchmarks.cost_tables", "--child-rounds", str(rounds), "--"]
+        cmd = [sys.executable, "-m", "eval.cost_tables", "--child-rounds", str(rounds), "--"]
         cmd += ["--target", "smollm2", "--drafter", args.drafter, "--k", "auto", "--prompt", PROMPT]
         cmd += ["--max-new-tokens", "8", "--repeats", "0", "--compile-cache", compile_cache]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
@@ -50,13 +50,12 @@ def measure(args, rounds: int, compile_cache: str) -> dict[int, float]:
 def main(argv=None) -> int:
     if argv is None and sys.argv[1:2] == ["--child-rounds"]:
         return child(int(sys.argv[2]), sys.argv[4:])
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cost_tables", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m eval.cost_tables", description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--reference-rounds", type=int, default=15)
     parser.add_argument("--drafter", default="smollm2-hspec")
     parser.add_argument("--out", default="benchmarks/results/cost_tables.md")
     args = parser.parse_args(argv)
-    from benchmarks.common import write_report
     from hspec_jax.decoding.costs import ROUNDS
     from hspec_jax.machine import cpu_model
 
@@ -70,7 +69,7 @@ def main(argv=None) -> int:
     lines = [
         "# Cost tables at first use against a long interleaved measurement",
         "",
-        f"CPU: {cpu_model()}, {os.cpu_count()} cores. Command: `python -m benchmarks.cost_tables --repeats "
+        f"CPU: {cpu_model()}, {os.cpu_count()} cores. Command: `python -m eval.cost_tables --repeats "
         f"{args.repeats} --reference-rounds {args.reference_rounds}`. Each row is a whole `eval.generate --target "
         f"smollm2 --drafter {args.drafter} --k auto` process with an empty user cache measuring its table in "
         f"{ROUNDS} interleaved rounds; the reference measured {args.reference_rounds} rounds the same way.",
@@ -84,7 +83,10 @@ def main(argv=None) -> int:
         lines.append(f"| first use {i} | {cells} | {deviation(table):.1%} |")
     lines += ["", f"Within 10% of the reference: **{within} of {len(tables)}**."]
     print("\n".join(lines))
-    write_report(args.out, lines)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
     return 0
 
 
