@@ -56,6 +56,7 @@ def main(argv=None) -> int:
     parser.add_argument("--drafter", default="smollm2-hspec")
     parser.add_argument("--out", default="benchmarks/results/cost_tables.md")
     args = parser.parse_args(argv)
+    from eval.startup import show_and_write
     from hspec_jax.decoding.costs import ROUNDS
     from hspec_jax.machine import cpu_model
 
@@ -82,11 +83,7 @@ def main(argv=None) -> int:
         cells = " | ".join(f"{table[k]:.2f}" for k in choices)
         lines.append(f"| first use {i} | {cells} | {deviation(table):.1%} |")
     lines += ["", f"Within 10% of the reference: **{within} of {len(tables)}**."]
-    print("\n".join(lines))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    show_and_write(args.out, lines)
     return 0
 
 

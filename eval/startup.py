@@ -171,6 +171,15 @@ def table(records: dict[str, list[dict]], transformers: list[float]) -> list[str
     return lines
 
 
+def show_and_write(path: str, lines: list[str]) -> None:
+    """Print a Markdown report and write it to `path`."""
+    print("\n".join(lines))
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {path}")
+
+
 def main(argv=None) -> int:
     if argv is None and sys.argv[1:2] == ["--probe"]:
         probe(sys.argv[3:] if sys.argv[2:3] == ["--"] else sys.argv[2:])
@@ -208,12 +217,7 @@ def main(argv=None) -> int:
         "",
         *table(records, transformers),
     ]
-    print("\n".join(lines))
-
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    show_and_write(args.out, lines)
     return 0
 
 
