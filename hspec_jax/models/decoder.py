@@ -12,9 +12,10 @@ output before the final norm). The output of decoder layer i is therefore tap i 
 Parameter names mirror the Hugging Face module tree with the layers stacked on a leading axis
 (`layers/self_attn/q_proj/kernel[3]` is `model.layers.3.self_attn.q_proj.weight` transposed), so checkpoint
 conversion is a plain table (`hspec_jax.checkpoints.hf`). Every layer runs through one function,
-`decoder_layer`: under `jax.lax.scan` on accelerators (one layer traced and compiled whatever the depth), or
-called once per layer on CPU, where XLA would copy each layer's weights out of the stacked arrays
-(`TargetConfig.scan_layers`; placement hands the CPU path one tree per layer, `unstack_layers`).
+`decoder_layer`: under `jax.lax.scan` on TPU (one layer traced and compiled whatever the depth), or called
+once per layer on CPU and GPU, where XLA was measured to copy each layer's weights out of the stacked arrays
+(`TargetConfig.scan_layers`, `scan_layers_default`; placement hands that path one tree per layer,
+`unstack_layers`).
 """
 
 from __future__ import annotations

@@ -78,7 +78,8 @@ def fuse_projections(params: dict) -> dict:
     become one `qkv_proj` and an MLP's gate/up one `gate_up_proj`, kernels `[D, F_i]` (and biases) concatenated
     on the output axis. Attention and MLP modules detect the fused names and split the output, so the result is
     the unfused one (same products, one dot). On CPU, one dot over the concatenated weights is cheaper than
-    several (benchmarks/results/spec_overhead_cpu.md); the engines fuse single-device CPU params (`for_backend`).
+    several (benchmarks/results/spec_overhead_cpu.md); the engines fuse single-device CPU and GPU params
+    (`for_backend`).
     New arrays: the input tree is left as it is; a tree fused already comes back with the same arrays (callers
     that compile many programs fuse once and share one copy of the weights)."""
     out = {}
@@ -93,12 +94,13 @@ def fuse_projections(params: dict) -> dict:
 
 
 def for_backend(params: dict) -> dict:
-    """Params as the engines run them on a single device of the current backend: on CPU fused projections
-    (`fuse_projections`) and, for a target whose decoder does not scan (`TargetConfig.scans_layers`), its
-    stacked layers split into one tree per layer (`unstack_layers`: XLA's CPU code would otherwise copy each
-    layer's weights out of the stack at every step); unchanged elsewhere (GPU/TPU and sharded runs keep the
-    checkpoint's layout). Idempotent: a placed tree comes back with the same arrays."""
-    if jax.default_backend() != "cpu":
+    """Params as the engines run them on a single device of the current backend: on CPU and GPU fused
+    projections (`fuse_projections`) and, where the decoder does not scan (`scan_layers_default`), the stacked
+    layers split into one tree per layer (`unstack_layers`: a per-layer program on slices of the stack compiles
+    9x longer on GPU, 33 s for Llama-3.1-8B on an H200, benchmarks/results/scan_layers_h200_llama8b.md);
+    unchanged on TPU (and sharded runs keep the checkpoint's layout). Idempotent: a placed tree comes back with
+    the same arrays."""
+    if jax.default_backend() not in ("cpu", "gpu"):
         return params
     from hspec_jax.models.config import scan_layers_default
     from hspec_jax.models.decoder import stacked_layers, unstack_layers
