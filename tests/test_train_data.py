@@ -498,3 +498,66 @@ def test_regenerate_drops_near_duplicates_of_records_and_evaluation_prompts():
     records = [{"id": "r", "messages": [{"role": "user", "content": hamlet}]}]
     todo, repeats = new_prompts(conversations, records, max_turns=1, near=near)
     assert [c.id for c in todo] == ["1", "4"] and repeats == 3
+
+
+def test_committed_task_data_matches_its_record_and_covers_every_family():
+    """The task-shaped files in data/README.md's table (held-out set and training parts) match their recorded
+    count and sha256; the held-out set has every evaluation family, no evaluation prompt, and no user turn of a
+    training part."""
+    import os
+    import re
+
+    from hspec_jax.prompts import TASKS
+    from train.data import evaluation_texts, source_fingerprint
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "data", "README.md")) as f:
+        rows = re.findall(
+            r"^\| `(smollm2_tasks_[\w.]+\.jsonl)` \| ([\d,]+) \|.*\| `([0-9a-f]{64})` \|$", f.read(), re.M
+        )
+    recorded = {name: (int(count.replace(",", "")), sha) for name, count, sha in rows}
+    assert "smollm2_tasks_heldout.jsonl" in recorded
+    on_disk = {n for n in os.listdir(os.path.join(root, "data")) if n.startswith("smollm2_tasks_")}
+    assert on_disk == set(recorded)
+    loaded = {}
+    for name, (count, sha) in recorded.items():
+        source = Source(name, os.path.join(root, "data", name))
+        assert source_fingerprint(source)["sha256"] == sha
+        loaded[name] = load_conversations(source)
+        assert len(loaded[name]) == count
+    held_out = loaded.pop("smollm2_tasks_heldout.jsonl")
+    with open(os.path.join(root, "data", "smollm2_tasks_heldout.jsonl")) as f:
+        assert {json.loads(line)["source"] for line in f} == set(TASKS)
+    assert exclude_eval_prompts(held_out, evaluation_texts())[1] == 0
+    user_turns = lambda convs: {normalize_text(m["content"]) for c in convs for m in c.messages if m["role"] == "user"}
+    for conversations in loaded.values():
+        assert not user_turns(held_out) & user_turns(conversations)
+
+
+def test_data_table_rows_and_parts(tmp_path):
+    """`train.data_table` counts records, sources, tokens and EOS endings per file, and --split cuts a file into
+    verbatim parts that concatenate back to it."""
+    from pathlib import Path
+
+    from train.data_table import file_stats, split, table
+
+    records = [
+        {
+            "id": str(i),
+            "source": "math" if i % 3 else "code",
+            "complete": i % 2 == 0,
+            "messages": [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "c d e"}],
+        }
+        for i in range(5)
+    ]
+    path = tmp_path / "out.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    stats = file_stats(str(path), lambda text: len(text.split()))
+    assert stats["conversations"] == 5 and stats["sources"] == {"code": 2, "math": 3}
+    assert (stats["user_tokens"], stats["assistant_tokens"], stats["complete"]) == (10, 15, 3)
+    rows = table([stats])
+    assert rows[2].startswith("| `out.jsonl` | 5 | code 2, math 3 | 10 / 15 | 3 |")
+    assert "code 6 (40.0%), math 9 (60.0%)" in rows[-1]
+    parts = split(str(path), str(tmp_path / "part"), 2)
+    assert [p.rsplit("/", 1)[-1] for p in parts] == ["part00.jsonl", "part01.jsonl", "part02.jsonl"]
+    assert "".join(Path(p).read_text() for p in parts) == path.read_text()
