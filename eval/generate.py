@@ -22,9 +22,10 @@ acceptance so far and the step costs measured on this machine at first use (cach
 `~/.cache/hspec_jax/costs/`), and `step costs T(k)/T(0) k=<k>:<cost>,...`, that table. `--k N` drafts N tokens
 every step.
 
-`--compare` (with a drafter) runs plain decoding first, then draft-and-verify, both timed the same way, and
-ends with `same text as plain decoding: yes (greedy)` (exit 1 if a greedy answer differs) and
-`speedup: <x> decode tokens/s, draft-and-verify over plain`.
+`--compare` (with a drafter) streams plain decoding's answer, then draft-and-verify's, then times the warm runs of
+both in rounds (each round runs both, the order reversed every other round, so that a slow spell of the machine
+hits both alike), prints both speeds, and ends with `same text as plain decoding: yes (greedy)` (exit 1 if a
+greedy answer differs) and `speedup: <x> decode tokens/s, draft-and-verify over plain`.
 
 `--drafter` takes a drafter checkpoint directory, the short name of a drafter shipped with the package (e.g.
 `smollm2-hspec`, see hspec_jax/trained/README.md), or `random:<kind>` (a randomly initialised drafter of that
@@ -297,11 +298,10 @@ class Timed(NamedTuple):
     what: str  # which run was timed
 
 
-def run_engine(engine: Engine, args, tokenizer, interrupt: Interrupt, batch: int) -> Timed | None:
-    """Stream one run (printing the answer), then time `--repeats` warm runs; None if interrupted."""
+def show_run(engine: Engine, args, tokenizer, interrupt: Interrupt, batch: int) -> Result | None:
+    """Stream one run, printing the answer; None if interrupted."""
     stream = TextStream(tokenizer) if batch == 1 else None
-    stop = lambda: interrupt.requested
-    shown = generate_streaming(engine, args.chunk, stream, stop)
+    shown = generate_streaming(engine, args.chunk, stream, lambda: interrupt.requested)
     if stream is not None:
         print()
     else:
@@ -310,19 +310,35 @@ def run_engine(engine: Engine, args, tokenizer, interrupt: Interrupt, batch: int
     if shown.interrupted:
         print(f"interrupted after {int(shown.num_tokens.sum())} tokens", file=sys.stderr)
         return None
-    timed = [generate_streaming(engine, args.chunk, stop=stop) for _ in range(args.repeats)]
+    return shown
+
+
+def time_runs(engines: dict[str, Engine], shown: dict[str, Result], args, interrupt: Interrupt) -> dict | None:
+    """`--repeats` warm runs of every engine, in rounds (each round runs every engine, the order reversed every
+    other round, so that a slow spell of the machine slows them alike) -> {name: Timed}; None if interrupted."""
+    timed = {name: [] for name in engines}
+    for r in range(args.repeats):
+        for name in list(engines)[:: 1 if r % 2 == 0 else -1]:
+            timed[name].append(generate_streaming(engines[name], args.chunk, stop=lambda: interrupt.requested))
     if interrupt.requested:
         print("interrupted while timing", file=sys.stderr)
         return None
-    if timed:
-        what = f"median of {len(timed)} warm run(s) after the printed one"
-        result = shown._replace(
-            prefill_seconds=statistics.median(r.prefill_seconds for r in timed),
-            decode_seconds=statistics.median(r.decode_seconds for r in timed),
+    how = f"; compiled ahead of time; decoding in chunks of {args.chunk} steps"
+    if not args.repeats:
+        return {name: Timed(shown[name], shown[name], "the printed run (streamed)" + how) for name in engines}
+    rounds = " in rounds over plain and draft-and-verify" if len(engines) > 1 else ""
+    what = f"median of {args.repeats} warm run(s) after the printed one{rounds}" + how
+    return {
+        name: Timed(
+            shown[name],
+            shown[name]._replace(
+                prefill_seconds=statistics.median(r.prefill_seconds for r in runs),
+                decode_seconds=statistics.median(r.decode_seconds for r in runs),
+            ),
+            what,
         )
-    else:
-        what, result = "the printed run (streamed)", shown
-    return Timed(shown, result, what + f"; compiled ahead of time; decoding in chunks of {args.chunk} steps")
+        for name, runs in timed.items()
+    }
 
 
 def same_text(plain: Result, spec: Result) -> bool:
@@ -361,21 +377,22 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             mesh=mesh,
         )
-        runs = {}
+        engines, shown, policy = {}, {}, None
         if request.drafter is None or args.compare:
             progress("compiling ...")
-            engine = interrupt.wait_for(compile_autoregressive, params, config, tokens, lengths, request.capacity, **kw)
+            engines["plain"] = interrupt.wait_for(
+                compile_autoregressive, params, config, tokens, lengths, request.capacity, **kw
+            )
             if args.compare:
                 print("== plain decoding")
-            runs["plain"] = run_engine(engine, args, tokenizer, interrupt, len(ids))
-            if runs["plain"] is None:
+            shown["plain"] = show_run(engines["plain"], args, tokenizer, interrupt, len(ids))
+            if shown["plain"] is None:
                 return EXIT_INTERRUPTED
-            print("\n".join(speed_lines(int(lengths.sum()), runs["plain"].result, len(ids), runs["plain"].what)))
         if request.drafter is not None:
             drafter_params, vocab = interrupt.wait_for(load_drafter, args.drafter, request.drafter, params, ids)
             policy = drafting_policy(args, request.drafter)
             progress("compiling (and, for --k auto, measuring step costs once per machine and shape) ...")
-            engine = interrupt.wait_for(
+            engines["spec"] = interrupt.wait_for(
                 compile_speculative,
                 Bundle(params, config, drafter_params, request.drafter, vocab),
                 tokens,
@@ -386,20 +403,28 @@ def main(argv: list[str] | None = None) -> int:
             )
             if args.compare:
                 print(f"== draft-and-verify with {args.drafter}, k={format_k(policy, request.drafter)}")
-            runs["spec"] = run_engine(engine, args, tokenizer, interrupt, len(ids))
-            if runs["spec"] is None:
+            shown["spec"] = show_run(engines["spec"], args, tokenizer, interrupt, len(ids))
+            if shown["spec"] is None:
                 return EXIT_INTERRUPTED
-            spec = runs["spec"]
-            print("\n".join(speed_lines(int(lengths.sum()), spec.result, len(ids), spec.what)))
-            stats = spec.shown.stats
-            chosen = ""
-            if policy is not None:
-                measured = ",".join(f"{c}:{x:.2f}" for c, x in zip(policy.choices, engine.costs, strict=True))
-                chosen = f" chosen {format_chosen(policy.choices, stats)} step costs T(k)/T(0) k={measured}"
-            print(
-                f"spec: tau={stats.tau():.2f} steps={int(np.sum(stats.steps))} accept_by_position="
-                f"{format_rates(stats.acceptance_by_position())}{chosen}"
-            )
+        runs = time_runs(engines, shown, args, interrupt)
+        if runs is None:
+            return EXIT_INTERRUPTED
+        for name, run_ in runs.items():
+            if args.compare:
+                print(f"== {'plain decoding' if name == 'plain' else 'draft-and-verify'}: timing")
+            print("\n".join(speed_lines(int(lengths.sum()), run_.result, len(ids), run_.what)))
+            if name == "spec":
+                stats = run_.shown.stats
+                chosen = ""
+                if policy is not None:
+                    measured = ",".join(
+                        f"{c}:{x:.2f}" for c, x in zip(policy.choices, engines["spec"].costs, strict=True)
+                    )
+                    chosen = f" chosen {format_chosen(policy.choices, stats)} step costs T(k)/T(0) k={measured}"
+                print(
+                    f"spec: tau={stats.tau():.2f} steps={int(np.sum(stats.steps))} accept_by_position="
+                    f"{format_rates(stats.acceptance_by_position())}{chosen}"
+                )
     if args.compare:
         plain, spec = runs["plain"], runs["spec"]
         speedup = decode_rate(spec.result, len(ids)) / decode_rate(plain.result, len(ids))

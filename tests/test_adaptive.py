@@ -112,9 +112,10 @@ def test_drafts_that_are_never_verified_stop_the_drafting():
     np.testing.assert_array_equal(plain.reached, state.reached)  # a plain step without a draft: nothing learnt
 
 
-def test_failed_probes_wait_longer_and_an_accepted_draft_resets_the_wait():
-    """A drafter known to be useless (a prior of zero acceptance): plain steps from the start; each probe that has
-    nothing accepted doubles the wait for the next, up to `probe_max`; an accepted probe sets it back."""
+def test_failed_probes_wait_longer_and_a_paying_draft_resets_the_wait():
+    """A drafter known to be useless (a prior of zero acceptance): plain steps from the start; each probe after
+    which drafting still does not pay doubles the wait for the next, up to `probe_max`, also one with a draft
+    accepted; probes accepted until drafting pays set it back."""
     state = init_policy(POLICY, 1, CPU_LIKE, Prior(jnp.zeros(7), jnp.float32(0.0), jnp.int32(POLICY.probe_every)))
     active, confident, none = jnp.array([True]), jnp.full((1, 7), 0.9), jnp.zeros(1, jnp.int32)
     state = state._replace(drafted=~active)
@@ -133,7 +134,14 @@ def test_failed_probes_wait_longer_and_an_accepted_draft_resets_the_wait():
         waits.append(plain)
         state = observe(state, POLICY, confident, jnp.int32(1), none, active)._replace(drafted=~active)
     assert waits == [32, 64, 128, 256, 256]
-    state = observe(state, POLICY, confident, jnp.int32(1), jnp.ones(1, jnp.int32), active)
+    one = jnp.ones(1, jnp.int32)
+    probe_due = dict(wait=jnp.full(1, 64, jnp.int32), idle=jnp.full(1, 64, jnp.int32))
+    state = observe(state._replace(**probe_due), POLICY, confident, jnp.int32(1), one, active)
+    assert not bool(wants_draft(state, POLICY, active))  # one hit after five misses: slot 1 at ~0.3, not worth it
+    assert int(state.wait[0]) == 128
+    for _ in range(3):  # hits until the history says drafting pays
+        state = observe(state._replace(idle=state.wait), POLICY, confident, jnp.int32(1), one, active)
+    assert bool(wants_draft(state, POLICY, active))
     assert int(state.wait[0]) == POLICY.probe_every
     with pytest.raises(ValueError, match="probe_every <= probe_max"):
         AdaptivePolicy(probe_every=64, probe_max=32)

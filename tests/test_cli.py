@@ -55,14 +55,16 @@ def test_generate_compares_the_shipped_drafter_then_converted_targets_generate_t
     args = ["--target", "smollm2", "--drafter", "smollm2-hspec", "--k", "3", "--compare", "--repeats", "1", *shapes]
     assert cli.run(generate.main, ["--max-new-tokens", "16", "--prompt", "What is the capital of France?", *args]) == 0
     out = capsys.readouterr().out
-    plain_part, spec_part = out.split("== draft-and-verify with smollm2-hspec, k=3\n")
+    plain_part, rest = out.split("== draft-and-verify with smollm2-hspec, k=3\n")
+    spec_text, timing = rest.split("== plain decoding: timing\n")
+    plain_timing, spec_timing = timing.split("== draft-and-verify: timing\n")
     assert plain_part.startswith("== plain decoding\n")
-    plain_text = plain_part.removeprefix("== plain decoding\n")
-    n = int(DECODE_LINE.search(plain_text).group(1))
-    plain_text = plain_text[: PREFILL_LINE.search(plain_text).start()].strip()
+    plain_text = plain_part.removeprefix("== plain decoding\n").strip()
+    n = int(DECODE_LINE.search(plain_timing).group(1))
     assert "Paris" in plain_text and 0 < n <= 16
-    assert spec_part[: PREFILL_LINE.search(spec_part).start()].strip() == plain_text
-    match = SPEC_LINE.search(spec_part)
+    assert spec_text.strip() == plain_text
+    assert "in rounds over plain and draft-and-verify" in plain_timing
+    match = SPEC_LINE.search(spec_timing)
     assert match, out
     assert 1.0 <= float(match.group(1)) <= 4.0 and int(match.group(2)) >= 1
     assert "same text as plain decoding: yes (greedy)" in out

@@ -30,9 +30,12 @@ Two decisions per step, both per sequence:
 An uncalibrated or untrained drafter (high c_i, nothing accepted) thus drives A / P and A_1 / R_1 towards 0
 within a few steps and falls back to plain decoding, probing once every `probe_every` steps.
 
-Probes back off: a probe that has nothing accepted doubles the plain steps before the next one (up to `probe_max`);
-any accepted draft sets the wait back to `probe_every`. In a batch of B sequences each waits B times as long: a
-probe makes the whole batch verify a wider block, so the batch probes about as often as one sequence alone.
+Probes back off: a probe after which the history still says drafting does not pay (nothing accepted, or too little
+for the cost table) doubles the plain steps before the next one (up to `probe_max`); a verification after which
+drafting pays sets the wait back to `probe_every`. A drafter whose occasional hits never pay for their steps is thus
+probed ever more rarely: each probe costs about a plain step more than it yields. In a batch of B sequences each
+waits B times as long: a probe makes the whole batch verify a wider block, so the batch probes about as often as one
+sequence alone.
 
 Across sequences: a new sequence starts from the engine's `Prior` (per-slot acceptance and calibration ratio,
 weighted `prior_weight` pseudo-steps, and the wait for its first probe), at first the policy's `prior` with full
@@ -205,8 +208,9 @@ def observe(
     """Record a verification of `drafts` (scalar, 0 for a plain step) slots predicted `confidence [B, k]`, in
     which `n [B]` drafts were accepted, for the active sequences `[B]`. A block drafted and then not verified
     (decision 2 chose k = 0) counts as a rejection at slot 1 in the history: that drafting bought nothing. A
-    verification that was a probe and had nothing accepted doubles the sequence's wait for the next probe; one with
-    a draft accepted sets it back to `probe_every`."""
+    probe after which the updated history still wants no block (`best_choice` under the cost table) doubles the
+    sequence's wait for the next probe; a verification after which it wants one sets the wait back to
+    `probe_every`."""
     slots = jnp.arange(state.reached.shape[1])
     reached = active[:, None] & (slots < drafts) & (slots <= n[:, None])
     declined = active & state.drafted & (drafts == 0)
@@ -216,12 +220,15 @@ def observe(
     verified = active & (drafts > 0)
     pooled = jnp.stack([jnp.sum(hit * reached, -1), jnp.sum(confidence * reached, -1)], -1)
     calibration = jnp.where(verified[:, None], policy.decay * state.calibration + pooled, state.calibration)
-    failed_probe = verified & probing(state) & (n == 0)
+    reached_now = decayed(state.reached, 1.0)
+    accepted_now = decayed(state.accepted, jnp.where(reached, hit, 0.0))
+    pays = best_choice(accepted_now / reached_now, state.costs, policy.choices) > 0
+    failed_probe = verified & probing(state) & ~pays
     wait = jnp.where(failed_probe, jnp.minimum(2 * state.wait, policy.probe_max), state.wait)
-    wait = jnp.where(verified & (n > 0), policy.probe_every, wait)
+    wait = jnp.where(verified & pays, policy.probe_every, wait)
     return state._replace(
-        reached=decayed(state.reached, 1.0),
-        accepted=decayed(state.accepted, jnp.where(reached, hit, 0.0)),
+        reached=reached_now,
+        accepted=accepted_now,
         calibration=calibration,
         idle=jnp.where(active, jnp.where(drafts > 0, 0, state.idle + 1), state.idle),
         wait=wait,
