@@ -352,10 +352,16 @@ def test_costs_are_measured_once_per_machine_and_shape(tmp_path, monkeypatch):
     assert len(calls) == 18
 
 
-def test_each_choice_keeps_its_fastest_interleaved_reading():
-    """A burst of noise during one round slows one reading of each choice, not the table."""
-    readings = iter([9.0, 9.0, 9.0, 2.0, 3.0, 1.0, 3.1, 1.1, 2.1])  # round 1 (choices 0, 1, 2) is noisy
-    assert cost_model.interleaved(3, lambda i: next(readings)) == [1.0, 2.0, 3.0]
+def test_costs_are_the_median_of_each_rounds_ratios():
+    """Each round's readings are taken relative to that round's plain step, and each choice keeps the median over
+    rounds: a slow spell of the machine (round 2 runs at 1.5x) cancels in its ratios, and a burst of noise that
+    hits one reading (round 3's choice 2) is one ratio the median drops."""
+    readings = iter([1.0, 2.0, 3.0, 3.0, 4.5, 1.5, 6.0, 1.0, 2.0])  # round r starts at choice r, as rotated
+    rounds = cost_model.interleaved(3, lambda i: next(readings))
+    assert rounds == [[1.0, 2.0, 3.0], [1.5, 3.0, 4.5], [1.0, 2.0, 6.0]]
+    np.testing.assert_allclose(cost_model.relative(rounds), [1.0, 2.0, 3.0])
+    # The minimum of each choice would have said [1.0, 2.0, 3.0] too, but a fast reading of one choice alone moves it:
+    np.testing.assert_allclose(cost_model.relative([[1.0, 2.0, 3.0], [1.0, 1.4, 3.0], [1.0, 2.0, 3.0]]), [1, 2, 3])
 
 
 def test_one_table_serves_every_cache_size_of_a_bucket():

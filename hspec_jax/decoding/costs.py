@@ -7,8 +7,10 @@ of the compiled loop pinned to each choice, `policy.pinned_costs`) and caches th
 to powers of two (one table serves every prompt length of a run, not one each).
 
 A table is a measurement: the choices are timed in interleaved rounds (every round visits every choice, the order
-rotated) and each choice keeps its fastest reading. Noise only ever adds time, and a burst of it (another process,
-a page-fault storm after compiling) then hits one reading of every choice rather than all readings of one.
+rotated), each round gives every choice's time over the plain step's time of the same round, and each choice keeps
+the median of its rounds' ratios. A slow spell of the machine then moves both terms of a ratio, a burst of noise
+(another process, a page-fault storm after compiling) spoils one round's ratio, which the median drops, and the
+estimate does not depend on the number of rounds (a minimum over rounds falls as rounds are added).
 """
 
 from __future__ import annotations
@@ -35,9 +37,13 @@ def machine() -> str:
     return f"cpu:{cpu_model()}:{os.cpu_count()}"
 
 
+METHOD = 2  # how a table is measured (part of its cache key: tables of an earlier method are measured again)
+
+
 def cache_path(shape: dict) -> Path:
-    """The JSON file for this machine and `shape` (plain JSON-able values naming target, drafter, batch, ...)."""
-    key = json.dumps({"machine": machine(), **shape}, sort_keys=True)
+    """The JSON file for this machine, `shape` (plain JSON-able values naming target, drafter, batch, ...) and
+    measuring `METHOD`."""
+    key = json.dumps({"machine": machine(), "method": METHOD, **shape}, sort_keys=True)
     return user_cache_dir("costs") / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 
@@ -53,32 +59,37 @@ def engine_shape(target, drafter, sampling, batch: int, capacity: int) -> dict:
     }
 
 
-def relative(seconds: list[float]) -> np.ndarray:
-    """Seconds per step for each increasing choice (choice 0 = a plain step) -> costs `[C]` relative to choice 0.
-    A longer draft never costs less than a shorter one (it verifies more rows, after drafting): a measurement
-    that says otherwise is noise and is raised to the shorter draft's cost."""
+def relative(seconds) -> np.ndarray:
+    """Seconds per step `[R, C]` (R rounds, each a time for every increasing choice; choice 0 = a plain step) ->
+    costs `[C]`: per choice the median over rounds of its time over the same round's plain step. A longer draft
+    never costs less than a shorter one (it verifies more rows, after drafting): a measurement that says otherwise
+    is noise and is raised to the shorter draft's cost."""
     seconds = np.asarray(seconds, np.float64)
-    if seconds.ndim != 1 or len(seconds) < 2 or not np.all(seconds > 0):
-        raise ValueError(f"need a positive time per choice, got {seconds}")
-    return np.maximum.accumulate(seconds / seconds[0]).astype(np.float32)
+    if seconds.ndim == 1:
+        seconds = seconds[None]
+    if seconds.ndim != 2 or seconds.shape[1] < 2 or not np.all(seconds > 0):
+        raise ValueError(f"need a positive time per round and choice, got {seconds}")
+    ratios = np.median(seconds / seconds[:, :1], axis=0)
+    return np.maximum.accumulate(ratios).astype(np.float32)
 
 
 ROUNDS = 3  # interleaved rounds of a measurement
 
 
-def interleaved(count: int, measure: Callable[[int], float], rounds: int = ROUNDS) -> list[float]:
-    """Each of `count` choices' fastest of `rounds` readings `measure(i) -> seconds`, the rounds interleaved (round r
-    visits the choices starting from r mod count)."""
-    readings = [[] for _ in range(count)]
+def interleaved(count: int, measure: Callable[[int], float], rounds: int = ROUNDS) -> list[list[float]]:
+    """`[rounds][count]` readings `measure(i) -> seconds` of every choice, the rounds interleaved (round r visits the
+    choices starting from r mod count)."""
+    readings = [[0.0] * count for _ in range(rounds)]
     for r in range(rounds):
         for i in (*range(r % count, count), *range(r % count)):
-            readings[i].append(measure(i))
-    return [min(values) for values in readings]
+            readings[r][i] = measure(i)
+    return readings
 
 
 def step_costs(shape: dict, choices: tuple[int, ...], measure: Callable[[int], float]) -> np.ndarray:
     """The cost table `[C]` for `choices` on this machine and `shape`: read from the cache, else measured with
-    `measure(choice_index) -> seconds per step` in `ROUNDS` interleaved rounds (`interleaved`) and written there."""
+    `measure(choice_index) -> seconds per step` in `ROUNDS` interleaved rounds (`interleaved`, `relative`) and
+    written there."""
     path = cache_path({**shape, "choices": list(choices)})
     if path.exists():
         record = json.loads(path.read_text())
