@@ -335,6 +335,7 @@ def test_a_decode_of_plain_steps_hands_back_every_committed_dflash_row(target_pa
 
 def test_costs_are_measured_once_per_machine_and_shape(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cost_model, "ROUNDS", 3)
     calls = []
 
     def measure(index):
@@ -350,6 +351,9 @@ def test_costs_are_measured_once_per_machine_and_shape(tmp_path, monkeypatch):
     assert len(list((tmp_path / "hspec_jax" / "costs").glob("*.json"))) == 1
     cost_model.step_costs({**shape, "batch": 2}, (0, 1, 3), measure)
     assert len(calls) == 18
+    monkeypatch.setattr(cost_model, "ROUNDS", 5)  # what eval.cost_tables does for its reference
+    cost_model.step_costs({**shape, "batch": 3}, (0, 1, 3), measure)
+    assert len(calls) == 18 + 15
 
 
 def test_costs_are_the_median_of_each_rounds_ratios():
@@ -357,7 +361,7 @@ def test_costs_are_the_median_of_each_rounds_ratios():
     rounds: a slow spell of the machine (round 2 runs at 1.5x) cancels in its ratios, and a burst of noise that
     hits one reading (round 3's choice 2) is one ratio the median drops."""
     readings = iter([1.0, 2.0, 3.0, 3.0, 4.5, 1.5, 6.0, 1.0, 2.0])  # round r starts at choice r, as rotated
-    rounds = cost_model.interleaved(3, lambda i: next(readings))
+    rounds = cost_model.interleaved(3, lambda i: next(readings), 3)
     assert rounds == [[1.0, 2.0, 3.0], [1.5, 3.0, 4.5], [1.0, 2.0, 6.0]]
     np.testing.assert_allclose(cost_model.relative(rounds), [1.0, 2.0, 3.0])
     # The minimum of each choice would have said [1.0, 2.0, 3.0] too, but a fast reading of one choice alone moves it:

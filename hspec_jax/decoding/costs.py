@@ -73,10 +73,10 @@ def relative(seconds) -> np.ndarray:
     return np.maximum.accumulate(ratios).astype(np.float32)
 
 
-ROUNDS = 3  # interleaved rounds of a measurement
+ROUNDS = 5  # interleaved rounds of a measurement (3 gave 4 of 5 first-use tables within 10%, results/cost_tables.md)
 
 
-def interleaved(count: int, measure: Callable[[int], float], rounds: int = ROUNDS) -> list[list[float]]:
+def interleaved(count: int, measure: Callable[[int], float], rounds: int) -> list[list[float]]:
     """`[rounds][count]` readings `measure(i) -> seconds` of every choice, the rounds interleaved (round r visits the
     choices starting from r mod count)."""
     readings = [[0.0] * count for _ in range(rounds)]
@@ -94,7 +94,7 @@ def step_costs(shape: dict, choices: tuple[int, ...], measure: Callable[[int], f
     if path.exists():
         record = json.loads(path.read_text())
         return np.asarray(record["costs"], np.float32)
-    seconds = interleaved(len(choices), measure)
+    seconds = interleaved(len(choices), measure, ROUNDS)  # read at call time: eval.cost_tables sets it
     costs = relative(seconds)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"machine": machine(), **shape, "choices": list(choices), "seconds": seconds, "costs": costs.tolist()}
