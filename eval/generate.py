@@ -82,6 +82,7 @@ from hspec_jax.decoding.limits import (
     memory_needed,
     tree_bytes,
 )
+from hspec_jax.decoding.placement import Placement
 from hspec_jax.decoding.policy import AdaptivePolicy
 from hspec_jax.drafter_spec import DEFAULT_RECIPES, check_drafter_spec, drafter_config, load_drafter
 from hspec_jax.drafters import drafter_param_shapes
@@ -366,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         config, tokenizer, ids = request.target, request.tokenizer, request.prompt_ids
         progress(f"loading {args.target} ...")
         _, params = interrupt.wait_for(load_target, args.target)
+        # Placed once: both engines of --compare then read the same weights (one copy in memory, not two).
+        params = Placement(mesh, config.head_dim).params(params)
         pad_id = config.pad_token_id if config.pad_token_id is not None else 0
         tokens, lengths = pad_batch(ids, pad_id)
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
