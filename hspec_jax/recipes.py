@@ -78,6 +78,9 @@ def data_section() -> ml_collections.ConfigDict:
             # Packed batches (`train.batch_size` rows each, fixed) of the held-out conversations the training
             # path's per-slot agreement and simulated accept length are measured on (repeating them if too few).
             "held_out_batches": 4,
+            # Packed batches per family where the held-out records name families (their "source" field, as the
+            # task-shaped files do): agreement and simulated accept length per family; 0 = none.
+            "held_out_family_batches": 1,
             # Supervised tokens of a random sample of the conversations the draft vocabulary is counted from
             # (its top tokens by frequency); 0 = every conversation (slow: minutes for ShareGPT).
             "vocab_sample_tokens": 2_000_000,

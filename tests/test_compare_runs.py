@@ -92,3 +92,28 @@ def test_empty_metrics_is_a_clear_error(tmp_path, capsys):
     write_run(tmp_path, "empty", [])
     assert run(compare_runs.main, [str(tmp_path / "empty")]) == 1
     assert "has no records" in capsys.readouterr().err
+
+
+def test_held_out_families_table(tmp_path, capsys):
+    """Where the held-out metrics name families, a third table gives each family's slot-1 agreement and simulated
+    accept length at every evaluation step; runs without them show dashes, and the pooled `heldout_acc_1` is not
+    taken for a family."""
+    family = lambda name, acc, sim: {f"heldout_{name}_acc_1": acc, f"heldout_{name}_sim_accept_len": sim}
+    a = write_run(
+        tmp_path,
+        "a",
+        [
+            logged(0, [0.1], [0.1], tau=1.1, **held_out([0.2], 1.2), **family("math", 0.3, 1.4)),
+            logged(
+                9, [0.2], [0.2], tau=1.2, **held_out([0.3], 1.3), **family("math", 0.5, 1.8), **family("qa", 0.4, 1.5)
+            ),
+        ],
+    )
+    b = write_run(tmp_path, "b", [logged(9, [0.1], [0.1], tau=1.1, **held_out([0.2], 1.2))])
+    assert compare_runs.main([a, b]) == 0
+    text = capsys.readouterr().out
+    assert "| run | step | math | qa |" in text
+    assert "| a | 0 | 0.300 / 1.400 | - / - |" in text
+    assert "| a | 9 | 0.500 / 1.800 | 0.400 / 1.500 |" in text
+    assert "| b | 9 | - / - | - / - |" in text
+    assert compare_runs.families([{"heldout_acc_1": 0.2, "heldout_sim_accept_len": 1.2}]) == []

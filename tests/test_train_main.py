@@ -99,11 +99,14 @@ TRAIN_COUNT = 160
 def straight(tmp_path_factory, train_driver):
     """(data file, work directory, printed result, step overrides) of one uninterrupted 6-step run with a held-out
     file, the reference of the resume and multi-process tests (which run with the same step overrides). The
-    held-out file repeats the first training conversation, so training must drop it. Session-scoped: a worker
-    may run another file's test between these tests, which would tear down a module fixture and run it again."""
+    held-out file repeats the first training conversation, so training must drop it; its records name two families
+    (their "source" field). Session-scoped: a worker may run another file's test between these tests, which would
+    tear down a module fixture and run it again."""
     root = tmp_path_factory.mktemp("train_main")
     data = write_conversations(root / "chat.jsonl", TRAIN_COUNT)
-    held_out = write_jsonl(root / "heldout.jsonl", [*conversations(12, seed=1, prefix="held"), conversations(1)[0]])
+    held_out = [*conversations(12, seed=1, prefix="held"), conversations(1)[0]]
+    held_out = [{**r, "source": "math" if i < 6 else "code"} for i, r in enumerate(held_out)]
+    held_out = write_jsonl(root / "heldout.jsonl", held_out)
     steps = [*STEPS, f"--config.data.held_out={held_out}"]
     args = command(root / "straight", data, *steps, ONE_CHECKPOINT, f"--config.train.eval_every={NUM_STEPS}")
     result = run_ok(train_driver, args)
@@ -122,6 +125,7 @@ def test_held_out_metrics_at_eval_steps_and_held_out_prompts_never_trained_on(st
     slots = range(1, 8)  # the tiny recipe drafts 7 tokens per block
     expected = {*(f"heldout_acc_{k}" for k in slots), *(f"heldout_overlap_{k}" for k in slots)}
     expected |= {"heldout_sim_accept_len", "heldout_loss", "heldout_supervised_slots", "tau"}
+    expected |= {f"heldout_{family}_{name}" for family in ("math", "code") for name in ("acc_1", "sim_accept_len")}
     assert [r["step"] for r in rows if expected <= set(r)] == [0, NUM_STEPS]  # eval_every=NUM_STEPS: start and end
     assert all(key.startswith(("heldout_", "tau", "accept_")) for key in rows[0] if key != "step")  # no training
     assert not any(key.startswith("heldout_") for r in rows[1:-1] for key in r)
@@ -130,11 +134,15 @@ def test_held_out_metrics_at_eval_steps_and_held_out_prompts_never_trained_on(st
     agree = [final[f"heldout_acc_{k}"] for k in slots]
     assert final["heldout_sim_accept_len"] == pytest.approx(1 + sum(np.cumprod(agree)), rel=1e-5)
     assert final["heldout_supervised_slots"] > 0 and np.isfinite(final["heldout_loss"])
+    for family in ("math", "code"):
+        assert 0.0 <= final[f"heldout_{family}_acc_1"] <= 1.0
+        assert 1.0 <= final[f"heldout_{family}_sim_accept_len"] <= 8.0
     assert result["heldout_acc_1"] == final["heldout_acc_1"]
     report = json.loads((straight / "data.json").read_text())
     (source,) = report["sources"]
     assert source["conversations"] == TRAIN_COUNT - 1 and source["excluded_held_out_prompts"] == 1
     assert report["held_out"] == [*(f"held-{i}" for i in range(12)), "sum-0"]
+    assert report["held_out_families"] == {"math": 6, "code": 7}
 
 
 @pytest.mark.slow

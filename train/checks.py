@@ -35,13 +35,20 @@ INT_BOUNDS = {
     "data.seed": 0,
     "data.held_out_prompts": 0,
     "data.held_out_batches": 1,
+    "data.held_out_family_batches": 0,
     "data.vocab_sample_tokens": 0,
 }
 RECIPE_FILE = "recipe.json"
 # What a resumed run must share with the run that created its work directory: the checkpoint's shapes, the draft
 # vocabulary, the target and the data stream. The rest (steps, learning rate, logging) may change on resume.
 RESUME_PREFIXES = ("target.", "drafter.", "data.", "train.batch_size", "train.optimizer")
-RESUME_FREE = ("target.name", "drafter.attention_impl", "data.vocab_sample_tokens", "data.held_out_batches")
+RESUME_FREE = (
+    "target.name",
+    "drafter.attention_impl",
+    "data.vocab_sample_tokens",
+    "data.held_out_batches",
+    "data.held_out_family_batches",
+)
 
 
 def field(config: ml_collections.ConfigDict, name: str):

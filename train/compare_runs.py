@@ -10,8 +10,10 @@ Held-out: at every evaluation step (`eval_every`; step 0 is the starting drafter
 agreement `heldout_acc_k` and simulated accept length `heldout_sim_accept_len` (1 + sum_k prod_{j<=k} acc_j) on the
 run's fixed held-out conversations, never trained on, beside the engine's real tau on held-out prompts and the
 tokens trained on by then (step x global batch x sequence length, from the run's recipe.json: rows are packed
-full). A gap between in-sample and held-out agreement is memorisation. `--plot FILE` draws the learning curves:
-held-out slot-1 agreement and real tau against steps and against tokens trained on.
+full). A gap between in-sample and held-out agreement is memorisation. Where the held-out set names families (the
+task-shaped files), a third table gives each family's slot-1 agreement and simulated accept length per evaluation.
+`--plot FILE` draws the learning curves: held-out slot-1 agreement and real tau against steps and against tokens
+trained on.
 """
 
 from __future__ import annotations
@@ -135,9 +137,43 @@ def held_out_table(names: list[str], runs: list[list[dict]], per_step: list[int 
     return lines
 
 
+FAMILY_ACC = "_acc_1"  # heldout_<family>_acc_1, beside heldout_<family>_sim_accept_len
+
+
+def families(records: list[dict]) -> list[str]:
+    """The held-out families logged in `records`, sorted (keys `heldout_<family>_acc_1`, not `heldout_acc_1`)."""
+    found = {key[len(HELD_OUT) : -len(FAMILY_ACC)] for r in records for key in r}
+    keys = {key for r in records for key in r}
+    return sorted(f for f in found if f and f"{HELD_OUT}{f}{FAMILY_ACC}" in keys)
+
+
+def family_table(names: list[str], runs: list[list[dict]]) -> list[str]:
+    """Markdown lines: per run and evaluation step, each held-out family's slot-1 agreement / simulated accept
+    length (none without family metrics)."""
+    evals = [eval_records(records) for records in runs]
+    fams = sorted({f for records in evals for f in families(records)})
+    if not fams:
+        return []
+    lines = [
+        "",
+        "Held-out per family: slot-1 agreement / simulated accept length.",
+        "",
+        "| run | step | " + " | ".join(fams) + " |",
+        "|---|---|" + "---|" * len(fams),
+    ]
+    for name, records in zip(names, evals, strict=True):
+        for r in records:
+            cells = [
+                f"{cell(r, f'{HELD_OUT}{f}{FAMILY_ACC}')} / {cell(r, f'{HELD_OUT}{f}_sim_accept_len')}" for f in fams
+            ]
+            lines.append(f"| {name} | {r['step']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def table(names: list[str], runs: list[list[dict]], last: int, per_step: list[int | None]) -> str:
-    """The markdown comparison of the runs: the in-sample table, then the held-out one."""
-    return "\n".join(in_sample_table(names, runs, last) + held_out_table(names, runs, per_step)) + "\n"
+    """The markdown comparison of the runs: the in-sample table, the held-out one, then the per-family one."""
+    lines = in_sample_table(names, runs, last) + held_out_table(names, runs, per_step) + family_table(names, runs)
+    return "\n".join(lines) + "\n"
 
 
 def plot_learning_curves(path: str, names: list[str], runs: list[list[dict]], per_step: list[int | None]) -> None:

@@ -57,6 +57,7 @@ class Conversation:
     id: str
     source: str
     messages: list  # [{"role", "content"}], cleaned by `to_messages`
+    family: str = ""  # the record's own "source" field, if any (task-shaped files: the evaluation family)
 
 
 def parse_sources(spec: str) -> list[Source]:
@@ -243,7 +244,10 @@ def load_conversations(source: Source) -> list[Conversation]:
         if messages is None:
             unusable += 1
             continue
-        conversations.append(Conversation(str(record.get("id") or f"{source.name}:{index}"), source.name, messages))
+        family = record.get("source") if isinstance(record.get("source"), str) else ""
+        conversations.append(
+            Conversation(str(record.get("id") or f"{source.name}:{index}"), source.name, messages, family)
+        )
     log.info("%s: %d conversations (%d records without a usable user turn)", source.name, len(conversations), unusable)
     return conversations
 

@@ -73,6 +73,7 @@ class Run:
     held_out: list  # token ids of the held-out prompts (real tau)
     held_out_batches: list  # fixed global batches of the held-out conversations (training-path metrics)
     data_report: dict
+    held_out_families: dict = dataclasses.field(default_factory=dict)  # family -> its fixed global batches
 
 
 def warm_start_vocab(spec: str, drafter: DrafterConfig) -> DraftVocab:
@@ -209,6 +210,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str, loaded, held_out_conv
     vocab, supervised = draft_vocabulary(workdir, loaded, tokenizer, target, drafter, config.data, given_vocab)
     iterator = recipe_iterator(loaded, tokenizer, config, drafter.num_drafts + 1)  # anchor + k drafted tokens
     held_out_batches = fixed_batches(held_out_conversations, tokenizer, config, drafter.num_drafts + 1, mesh)
+    families = family_batches(held_out_conversations, tokenizer, config, drafter.num_drafts + 1, mesh)
     report = {
         "sources": [
             {
@@ -223,6 +225,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str, loaded, held_out_conv
             for s in loaded
         ],
         "held_out": [c.id for c in held_out_conversations],
+        "held_out_families": {name: sum(c.family == name for c in held_out_conversations) for name in families},
         "held_out_file": source_fingerprint(Source("held_out", config.data.held_out)) if config.data.held_out else None,
         "vocab_sample_supervised_tokens": int(supervised.sum()),
         "draft_vocab_coverage": float(supervised[np.asarray(vocab.d2t)].sum() / max(supervised.sum(), 1)),
@@ -241,6 +244,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str, loaded, held_out_conv
         held_out,
         held_out_batches,
         report,
+        families,
     )
 
 
@@ -260,15 +264,30 @@ def recipe_iterator(data, tokenizer, config: ml_collections.ConfigDict, block_si
     )
 
 
-def fixed_batches(conversations, tokenizer, config: ml_collections.ConfigDict, block_size: int, mesh) -> list:
-    """The first `data.held_out_batches` global batches (dicts of BATCH_KEYS arrays `[batch_size, ...]`, placed
-    on the mesh) of `conversations` packed and anchored like training data with `data.seed`: the same batches
-    at every evaluation and on resume. Conversations repeat only when the batches need more rows than they
-    fill; none without conversations."""
+def fixed_batches(
+    conversations, tokenizer, config: ml_collections.ConfigDict, block_size: int, mesh, count: int | None = None
+) -> list:
+    """The first `count` (default `data.held_out_batches`) global batches (dicts of BATCH_KEYS arrays
+    `[batch_size, ...]`, placed on the mesh) of `conversations` packed and anchored like training data with
+    `data.seed`: the same batches at every evaluation and on resume. Conversations repeat only when the batches
+    need more rows than they fill; none without conversations."""
     if not conversations:
         return []
     iterator = recipe_iterator(conversations, tokenizer, config, block_size)
-    return [global_batch(mesh, next(iterator)) for _ in range(config.data.held_out_batches)]
+    count = config.data.held_out_batches if count is None else count
+    return [global_batch(mesh, next(iterator)) for _ in range(count)]
+
+
+def family_batches(conversations, tokenizer, config: ml_collections.ConfigDict, block_size: int, mesh) -> dict:
+    """{family: its `data.held_out_family_batches` fixed batches} for held-out conversations that name at least
+    two families (`Conversation.family`, in order of first appearance); {} otherwise or when that count is 0."""
+    groups = {}
+    for c in conversations:
+        groups.setdefault(c.family, []).append(c)
+    if len(groups) < 2 or "" in groups or not config.data.held_out_family_batches:
+        return {}
+    count = config.data.held_out_family_batches
+    return {name: fixed_batches(group, tokenizer, config, block_size, mesh, count) for name, group in groups.items()}
 
 
 def initial_params(run: Run, resuming: bool) -> dict:
@@ -321,10 +340,19 @@ def pooled_metrics(evaluate, params: dict, target_params: dict, vocab, batches: 
     return scalars(metrics)
 
 
+FAMILY_METRICS = ("acc_1", "sim_accept_len")  # what is logged per held-out family
+
+
 def held_out_metrics(run: Run, evaluate, params: dict, weights) -> dict:
-    """`pooled_metrics` on the run's fixed held-out batches, each name prefixed `heldout_`."""
+    """`pooled_metrics` on the run's fixed held-out batches, each name prefixed `heldout_`; per held-out family
+    (`Run.held_out_families`) its slot-1 agreement and simulated accept length, `heldout_<family>_acc_1` and
+    `heldout_<family>_sim_accept_len`."""
     metrics = pooled_metrics(evaluate, params, run.target_params, run.vocab, run.held_out_batches, weights)
-    return {f"heldout_{name}": value for name, value in metrics.items()}
+    out = {f"heldout_{name}": value for name, value in metrics.items()}
+    for family, batches in run.held_out_families.items():
+        own = pooled_metrics(evaluate, params, run.target_params, run.vocab, batches, weights)
+        out.update({f"heldout_{family}_{name}": own[name] for name in FAMILY_METRICS})
+    return out
 
 
 def evaluation(run: Run, evaluate, params: dict, weights) -> dict:
