@@ -142,9 +142,8 @@ FAMILY_ACC = "_acc_1"  # heldout_<family>_acc_1, beside heldout_<family>_sim_acc
 
 def families(records: list[dict]) -> list[str]:
     """The held-out families logged in `records`, sorted (keys `heldout_<family>_acc_1`, not `heldout_acc_1`)."""
-    found = {key[len(HELD_OUT) : -len(FAMILY_ACC)] for r in records for key in r}
-    keys = {key for r in records for key in r}
-    return sorted(f for f in found if f and f"{HELD_OUT}{f}{FAMILY_ACC}" in keys)
+    keys = {key for r in records for key in r if key.startswith(HELD_OUT) and key.endswith(FAMILY_ACC)}
+    return sorted(f for f in (key[len(HELD_OUT) : -len(FAMILY_ACC)] for key in keys) if f)
 
 
 def family_table(names: list[str], runs: list[list[dict]]) -> list[str]:

@@ -65,8 +65,6 @@ def relative(seconds) -> np.ndarray:
     never costs less than a shorter one (it verifies more rows, after drafting): a measurement that says otherwise
     is noise and is raised to the shorter draft's cost."""
     seconds = np.asarray(seconds, np.float64)
-    if seconds.ndim == 1:
-        seconds = seconds[None]
     if seconds.ndim != 2 or seconds.shape[1] < 2 or not np.all(seconds > 0):
         raise ValueError(f"need a positive time per round and choice, got {seconds}")
     ratios = np.median(seconds / seconds[:, :1], axis=0)

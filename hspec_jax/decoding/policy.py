@@ -220,15 +220,14 @@ def observe(
     verified = active & (drafts > 0)
     pooled = jnp.stack([jnp.sum(hit * reached, -1), jnp.sum(confidence * reached, -1)], -1)
     calibration = jnp.where(verified[:, None], policy.decay * state.calibration + pooled, state.calibration)
-    reached_now = decayed(state.reached, 1.0)
-    accepted_now = decayed(state.accepted, jnp.where(reached, hit, 0.0))
-    pays = best_choice(accepted_now / reached_now, state.costs, policy.choices) > 0
+    counted = state._replace(
+        reached=decayed(state.reached, 1.0), accepted=decayed(state.accepted, jnp.where(reached, hit, 0.0))
+    )
+    pays = best_choice(history_acceptance(counted), state.costs, policy.choices) > 0
     failed_probe = verified & probing(state) & ~pays
     wait = jnp.where(failed_probe, jnp.minimum(2 * state.wait, policy.probe_max), state.wait)
     wait = jnp.where(verified & pays, policy.probe_every, wait)
-    return state._replace(
-        reached=reached_now,
-        accepted=accepted_now,
+    return counted._replace(
         calibration=calibration,
         idle=jnp.where(active, jnp.where(drafts > 0, 0, state.idle + 1), state.idle),
         wait=wait,
