@@ -41,7 +41,8 @@ Over HTTP, `--url` (repeatable) drives servers already running (`python -m hspec
 drafter at its k, or plain), with the same load generator: streamed `/v1/completions` with the prompts as token ids
 and the usage in every chunk, so tokens are counted as the engine committed them. Reported per server x concurrency:
 throughput, TTFT and ITL (p50 / p99, as above, on this process's clock), tau (from the server's /metrics), refusals
-(429). `--in-process` also times, right before each HTTP run, the engine that server runs (its slots, limits, cost
+and, for the 429s of a full queue (more clients than slots plus queue), how long each took to arrive (p50 / p99).
+`--in-process` also times, right before each HTTP run, the engine that server runs (its slots, limits, cost
 table, per-request sampling) in this process on the same prompts, and the report gives HTTP / in-process throughput:
 
     python -m hspec_jax.serve --target smollm2 --slots 16 --max-tokens 64 --port 8000 &
@@ -57,6 +58,7 @@ import os
 import shlex
 import sys
 import time
+from typing import NamedTuple
 
 import httpx
 import jax.numpy as jnp
@@ -341,15 +343,23 @@ def server_method(info: dict) -> str:
     return f"{info['drafter']} k={info['k']}"
 
 
+class Refusal(NamedTuple):
+    """A request the server did not answer with tokens: its HTTP status (500 for an error event mid-stream) and the
+    seconds from sending it to that answer."""
+
+    status: int
+    seconds: float
+
+
 def scrape(url: str) -> dict[str, float]:
     """The server's Prometheus samples (name with labels -> value)."""
     text = httpx.get(url.rstrip("/") + "/metrics", timeout=10).text
     return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))}
 
 
-async def _request(client, url: str, model: str, i: int, prompt: list[int], args) -> Completion | int:
+async def _request(client, url: str, model: str, i: int, prompt: list[int], args) -> Completion | Refusal:
     """One streamed completion of `prompt` (token ids) -> its `Completion` (times on this process's clock; bursts:
-    the tokens each chunk brought, from the running usage), or the HTTP status of a refusal."""
+    the tokens each chunk brought, from the running usage), or its `Refusal`."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -363,13 +373,13 @@ async def _request(client, url: str, model: str, i: int, prompt: list[int], args
     async with client.stream("POST", url.rstrip("/") + "/v1/completions", json=body) as response:
         if response.status_code != 200:
             await response.aread()
-            return response.status_code
+            return Refusal(response.status_code, time.perf_counter() - submitted)
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line.removeprefix("data: "))
             if "error" in chunk:
-                return 500
+                return Refusal(500, time.perf_counter() - submitted)
             n = chunk["usage"]["completion_tokens"]
             if n > count:
                 bursts.append((time.perf_counter(), n - count))
@@ -408,13 +418,22 @@ async def _drive_http(url: str, model: str, prompts: list[list[int]], clients: i
     return completions, [r for r in results if not isinstance(r, Completion)], start
 
 
-def measure_http(completions: list[Completion], refusals: list[int], start: float, before: dict, after: dict) -> dict:
+def measure_http(
+    completions: list[Completion], refusals: list[Refusal], start: float, before: dict, after: dict
+) -> dict:
     """The row of one server x concurrency: what `measure` reports that a client can see, tau from the server's
-    metrics (their change over the run)."""
+    metrics (their change over the run), and how long the 429s (a full queue) took to arrive, p50 / p99."""
     steps = after.get("hspec_spec_steps_total", 0) - before.get("hspec_spec_steps_total", 0)
     accepted = after.get("hspec_spec_accepted_drafts_total", 0) - before.get("hspec_spec_accepted_drafts_total", 0)
     counts = {"requests": len(completions) + len(refusals), "answered": len(completions), "refused": len(refusals)}
-    return counts | speed(completions, start) | {"tau": (accepted + steps) / steps if steps else None}
+    full = [r.seconds for r in refusals if r.status == 429]
+    tau = {"tau": (accepted + steps) / steps if steps else None}
+    queue_full = {
+        "queue_full": len(full),
+        "queue_full_p50": percentile(full, 50),
+        "queue_full_p99": percentile(full, 99),
+    }
+    return counts | speed(completions, start) | tau | queue_full
 
 
 def serve_http(url: str, info: dict, prompts: list[list[int]], clients: int, args) -> dict:
@@ -460,10 +479,13 @@ def write_http_report(out_dir: str, rows: list[dict], meta: dict) -> str:
     lines = [
         *report_head("Serving over HTTP: throughput and latency vs concurrency", meta, servers),
         "| method | via | clients | slots | answered | tok/s | HTTP / in-process | TTFT p50 / p99 ms "
-        "| ITL p50 / p99 ms | tau | refused |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ITL p50 / p99 ms | tau | refused | 429s: count, p50 / p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        full = "-"
+        if r.get("queue_full"):
+            full = f"{r['queue_full']}, {ms(r['queue_full_p50'])} / {ms(r['queue_full_p99'])}"
         base = inside.get((r["method"], r["clients"]))
         ratio = "-"
         if r["via"] == "HTTP" and base and base["throughput"]:
@@ -472,14 +494,15 @@ def write_http_report(out_dir: str, rows: list[dict], meta: dict) -> str:
             f"| {r['method']} | {r['via']} | {r['clients']} | {r['slots']} | {r['answered']}/{r['requests']} "
             f"| {fmt(r['throughput'], 1)} | {ratio} | {ms(r['ttft_p50'])} / {ms(r['ttft_p99'])} "
             f"| {ms(r['itl_p50'])} / {ms(r['itl_p99'])} | {fmt(r['tau']) if r['tau'] is not None else '-'} "
-            f"| {r['refused']} |"
+            f"| {r['refused']} | {full} |"
         )
     lines += [
         "",
         "Clients send their next request as soon as the previous one is answered (streamed /v1/completions with "
         "token-id prompts, the usage in every chunk). TTFT: request sent -> first token received; ITL: tokens "
-        "arriving in one chunk share the time since the previous chunk. In-process rows run the same engine "
-        "(slots, limits, per-request sampling) on the same prompts in this process, between the HTTP runs.",
+        "arriving in one chunk share the time since the previous chunk. 429s: the answers of a full queue, request "
+        "sent -> status received. In-process rows run the same engine (slots, limits, per-request sampling) on the "
+        "same prompts in this process, between the HTTP runs.",
     ]
     report = os.path.join(out_dir, "report.md")
     with open(report, "w") as f:

@@ -420,13 +420,24 @@ def test_eval_serving_drives_the_server_over_http(tiny, tmp_path, capsys):
         ("random:hspec k=2", "HTTP", 3, 4),
     ]
     for r in rows:
-        assert r["answered"] == 6 and r["refused"] == 0 and 6 <= r["tokens"] <= 48 and r["throughput"] > 0
+        assert r["answered"] == 6 and r["refused"] == r["queue_full"] == 0 and 6 <= r["tokens"] <= 48
+        assert r["throughput"] > 0
         assert r["ttft_p50"] > 0 and r["itl_p50"] > 0 and 1 <= r["tau"] <= 3
     assert "| random:hspec k=2 | HTTP | 3 | 4 | 6/6 |" in (out / "report.md").read_text()
     assert run(eval_serving.main, [*argv, "--max-new-tokens", "300", "--out", str(out)]) == 1
     assert "gives at most 128" in capsys.readouterr().err
     assert run(eval_serving.main, [*argv, "--in-process", "--max-new-tokens", "8", "--out", str(out)]) == 1
     assert "with --max-tokens 8" in capsys.readouterr().err
+
+
+def test_an_http_row_times_the_answers_of_a_full_queue():
+    """`eval.serving` over HTTP: 429s count as refused and their latencies (sent -> status) are reported p50 / p99;
+    another failure counts as refused only."""
+    from eval.serving import Refusal, measure_http
+
+    row = measure_http([], [Refusal(429, 0.010), Refusal(500, 2.0), Refusal(429, 0.030)], 0.0, {}, {})
+    assert (row["requests"], row["answered"], row["refused"], row["queue_full"]) == (3, 0, 3, 2)
+    assert row["queue_full_p50"] == pytest.approx(0.020) and 0.029 < row["queue_full_p99"] <= 0.030
 
 
 def test_sigterm_finishes_or_cancels_in_flight_requests_and_exits_0(tiny, long_prompt):
