@@ -29,6 +29,18 @@ MARK = "STARTUP-PROBE "
 PROMPT = "Explain in two sentences why the sky is blue."
 
 
+# The functions the probe times: (module: eval.generate or hspec_jax.decoding.engine, function, phase).
+PHASES = (
+    ("generate", "plan", "config and tokenizer"),
+    ("generate", "load_target", "target load"),
+    ("generate", "load_drafter", "drafter load"),
+    ("generate", "compile_autoregressive", "engine build"),
+    ("generate", "compile_speculative", "engine build"),
+    ("engine", "measure_costs", "cost table"),
+    ("generate", "show_run", "printed run"),
+)
+
+
 def probe(argv: list[str]) -> None:
     """Run `eval.generate` with `argv` in this process, timing its phases; print them as one JSON line."""
     entered = time.perf_counter()
@@ -75,13 +87,9 @@ def probe(argv: list[str]) -> None:
 
         setattr(module, name, wrapper)
 
-    timed(generate, "plan", "config and tokenizer")
-    timed(generate, "load_target", "target load")
-    timed(generate, "load_drafter", "drafter load")
-    timed(generate, "compile_autoregressive", "engine build")
-    timed(generate, "compile_speculative", "engine build")
-    timed(engine, "measure_costs", "cost table")
-    timed(generate, "run_engine", "printed run")
+    modules = {"generate": generate, "engine": engine}
+    for module, name, phase in PHASES:
+        timed(modules[module], name, phase)
     code = generate.main(argv)
     phases["total in process"] = time.perf_counter() - entered
     print(MARK + json.dumps({"phases": phases, "cache": counts, "exit": code}), flush=True)

@@ -1,8 +1,9 @@
-"""eval.params and eval.memory: the paper's parameter matching and KV-inflation numbers from config values."""
+"""eval.params and eval.memory: the paper's parameter matching and KV-inflation numbers from config values;
+eval.startup's probe."""
 
 import json
 
-from eval import memory, params
+from eval import memory, params, startup
 from hspec_jax import cli
 
 
@@ -72,3 +73,28 @@ def test_memory_formula_matches_the_real_buffers():
 def test_memory_bad_target(capsys):
     assert cli.run(memory.main, ["--target", "gpt5"]) == 1
     assert "neither a config.json file nor a recipe" in capsys.readouterr().err
+
+
+def test_startup_probe_times_every_phase_of_one_generate_run(tmp_path, capsys, monkeypatch):
+    """The probe wraps the functions of `eval.generate` it times (a renamed one fails here, not in a 10-minute
+    benchmark) and prints the phases of one whole run (a tiny target alone: no drafter, no cost table)."""
+    import eval.generate
+    import jax
+    from test_bad_input import TINY, word_tokenizer
+
+    from hspec_jax.checkpoints.hf import export_hf_target
+    from hspec_jax.decoding import engine
+    from hspec_jax.models import TargetConfig, init_params
+
+    config = TargetConfig.from_hf(TINY)
+    export_hf_target(init_params(config, jax.random.key(0)), config, str(tmp_path), tokenizer=word_tokenizer())
+
+    modules = {"generate": eval.generate, "engine": engine}
+    for module, name, _ in startup.PHASES:  # restored after the test: the probe rebinds them
+        monkeypatch.setattr(modules[module], name, getattr(modules[module], name))
+    startup.probe(["--target", str(tmp_path), "--prompt", "w1 w2", "--max-new-tokens", "4", "--repeats", "0"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(startup.MARK))
+    record = json.loads(line.removeprefix(startup.MARK))
+    assert record["exit"] == 0
+    phases = {"imports", "config and tokenizer", "target load", "engine build", "trace", "lower", "printed run"}
+    assert phases <= set(record["phases"]) and all(v >= 0 for v in record["phases"].values())
