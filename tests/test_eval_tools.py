@@ -78,10 +78,10 @@ def test_memory_bad_target(capsys):
 def test_startup_probe_times_every_phase_of_one_generate_run(tmp_path, capsys, monkeypatch):
     """The probe wraps the functions of `eval.generate` it times (a renamed one fails here, not in a 10-minute
     benchmark) and prints the phases of one whole run (a tiny target alone: no drafter, no cost table)."""
-    import eval.generate
     import jax
     from test_bad_input import TINY, word_tokenizer
 
+    import eval.generate
     from hspec_jax.checkpoints.hf import export_hf_target
     from hspec_jax.decoding import engine
     from hspec_jax.models import TargetConfig, init_params
