@@ -41,7 +41,11 @@ Over HTTP, `--url` (repeatable) drives servers already running (`python -m hspec
 drafter at its k, or plain), with the same load generator: streamed `/v1/completions` with the prompts as token ids
 and the usage in every chunk, so tokens are counted as the engine committed them. Reported per server x concurrency:
 throughput, TTFT and ITL (p50 / p99, as above, on this process's clock), tau (from the server's /metrics), refusals
-and, for the 429s of a full queue (more clients than slots plus queue), how long each took to arrive (p50 / p99).
+and, for the 429s of a full queue (more clients than slots plus queue), how long each took to arrive (p50 / p99):
+those the load's own requests got (they arrive in bursts, as each answered client sends its next request at once,
+so they also time this process's and the server's queueing of a burst) and those of a probe, one more client on a
+thread of its own that, while such a load runs, asks for one token every `PROBE_INTERVAL` seconds (what a client
+arriving at a full server waits; an accepted probe adds a request of one token to the load).
 `--in-process` also times, right before each HTTP run, the engine that server runs (its slots, limits, cost
 table, per-request sampling) in this process on the same prompts, and the report gives HTTP / in-process throughput:
 
@@ -52,11 +56,13 @@ table, per-request sampling) in this process on the same prompts, and the report
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shlex
 import sys
+import threading
 import time
 from typing import NamedTuple
 
@@ -343,6 +349,9 @@ def server_method(info: dict) -> str:
     return f"{info['drafter']} k={info['k']}"
 
 
+PROBE_INTERVAL = 0.1  # seconds between two requests of the full-queue probe
+
+
 class Refusal(NamedTuple):
     """A request the server did not answer with tokens: its HTTP status (500 for an error event mid-stream) and the
     seconds from sending it to that answer."""
@@ -418,31 +427,67 @@ async def _drive_http(url: str, model: str, prompts: list[list[int]], clients: i
     return completions, [r for r in results if not isinstance(r, Completion)], start
 
 
+class FullQueueProbe:
+    """One more client, on a thread of its own, that asks a server for one token (not streamed) every
+    `PROBE_INTERVAL` s until `stop`: `answers` holds each answer's `Refusal(status, seconds)`, 200s included."""
+
+    def __init__(self, url: str, model: str, prompt: list[int]):
+        self.url, self.answers = url.rstrip("/") + "/v1/completions", []
+        self.body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="full-queue probe", daemon=True)
+
+    def __enter__(self) -> FullQueueProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=None) as client:
+            while not self._stop.wait(PROBE_INTERVAL):
+                sent = time.perf_counter()
+                status = client.post(self.url, json=self.body).status_code
+                self.answers.append(Refusal(status, time.perf_counter() - sent))
+
+
+def latencies_429(prefix: str, answers: list[Refusal]) -> dict:
+    """{prefix: how many answers were 429s, prefix_p50 / prefix_p99: their seconds}."""
+    full = [r.seconds for r in answers if r.status == 429]
+    return {prefix: len(full), f"{prefix}_p50": percentile(full, 50), f"{prefix}_p99": percentile(full, 99)}
+
+
 def measure_http(
-    completions: list[Completion], refusals: list[Refusal], start: float, before: dict, after: dict
+    completions: list[Completion],
+    refusals: list[Refusal],
+    start: float,
+    before: dict,
+    after: dict,
+    probe: list[Refusal] = (),
 ) -> dict:
     """The row of one server x concurrency: what `measure` reports that a client can see, tau from the server's
-    metrics (their change over the run), and how long the 429s (a full queue) took to arrive, p50 / p99."""
+    metrics (their change over the run), and how long the 429s (a full queue) took to arrive, p50 / p99: to the
+    load's requests (`queue_full*`) and to a `FullQueueProbe`'s (`probe_full*`)."""
     steps = after.get("hspec_spec_steps_total", 0) - before.get("hspec_spec_steps_total", 0)
     accepted = after.get("hspec_spec_accepted_drafts_total", 0) - before.get("hspec_spec_accepted_drafts_total", 0)
     counts = {"requests": len(completions) + len(refusals), "answered": len(completions), "refused": len(refusals)}
-    full = [r.seconds for r in refusals if r.status == 429]
     tau = {"tau": (accepted + steps) / steps if steps else None}
-    queue_full = {
-        "queue_full": len(full),
-        "queue_full_p50": percentile(full, 50),
-        "queue_full_p99": percentile(full, 99),
-    }
-    return counts | speed(completions, start) | tau | queue_full
+    full = latencies_429("queue_full", refusals) | latencies_429("probe_full", list(probe))
+    return counts | speed(completions, start) | tau | full
 
 
 def serve_http(url: str, info: dict, prompts: list[list[int]], clients: int, args) -> dict:
-    """Time one running server at one concurrency -> its row."""
+    """Time one running server at one concurrency -> its row (with a `FullQueueProbe` beside the load when the load
+    can fill the queue)."""
     import asyncio
 
     before = scrape(url)
-    completions, refusals, start = asyncio.run(_drive_http(url, info["model"], prompts, clients, args))
-    row = measure_http(completions, refusals, start, before, scrape(url))
+    probe = FullQueueProbe(url, info["model"], prompts[0][:8])
+    with probe if clients > info["slots"] + info["max_queue"] else contextlib.nullcontext():
+        completions, refusals, start = asyncio.run(_drive_http(url, info["model"], prompts, clients, args))
+    row = measure_http(completions, refusals, start, before, scrape(url), probe.answers)
     return {"method": server_method(info), "via": "HTTP", "clients": clients, "slots": info["slots"]} | row
 
 
@@ -479,13 +524,14 @@ def write_http_report(out_dir: str, rows: list[dict], meta: dict) -> str:
     lines = [
         *report_head("Serving over HTTP: throughput and latency vs concurrency", meta, servers),
         "| method | via | clients | slots | answered | tok/s | HTTP / in-process | TTFT p50 / p99 ms "
-        "| ITL p50 / p99 ms | tau | refused | 429s: count, p50 / p99 ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ITL p50 / p99 ms | tau | refused | 429s to the load: count, p50 / p99 ms | 429s to a probe |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        full = "-"
-        if r.get("queue_full"):
-            full = f"{r['queue_full']}, {ms(r['queue_full_p50'])} / {ms(r['queue_full_p99'])}"
+        full = {
+            k: f"{r[k]}, {ms(r[k + '_p50'])} / {ms(r[k + '_p99'])}" if r.get(k) else "-"
+            for k in ("queue_full", "probe_full")
+        }
         base = inside.get((r["method"], r["clients"]))
         ratio = "-"
         if r["via"] == "HTTP" and base and base["throughput"]:
@@ -494,14 +540,15 @@ def write_http_report(out_dir: str, rows: list[dict], meta: dict) -> str:
             f"| {r['method']} | {r['via']} | {r['clients']} | {r['slots']} | {r['answered']}/{r['requests']} "
             f"| {fmt(r['throughput'], 1)} | {ratio} | {ms(r['ttft_p50'])} / {ms(r['ttft_p99'])} "
             f"| {ms(r['itl_p50'])} / {ms(r['itl_p99'])} | {fmt(r['tau']) if r['tau'] is not None else '-'} "
-            f"| {r['refused']} | {full} |"
+            f"| {r['refused']} | {full['queue_full']} | {full['probe_full']} |"
         )
     lines += [
         "",
         "Clients send their next request as soon as the previous one is answered (streamed /v1/completions with "
         "token-id prompts, the usage in every chunk). TTFT: request sent -> first token received; ITL: tokens "
         "arriving in one chunk share the time since the previous chunk. 429s: the answers of a full queue, request "
-        "sent -> status received. In-process rows run the same engine (slots, limits, per-request sampling) on the "
+        "sent -> status received, to the load's requests (in bursts) and to a probe client asking for one token "
+        f"every {PROBE_INTERVAL} s while the load can fill the queue. In-process rows run the same engine (slots, limits, per-request sampling) on the "
         "same prompts in this process, between the HTTP runs.",
     ]
     report = os.path.join(out_dir, "report.md")

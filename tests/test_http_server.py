@@ -274,9 +274,18 @@ def test_load_every_request_completes_and_equals_offline_decoding(tiny, tiny_tar
 
 def test_a_full_queue_answers_429_and_the_rest_complete(tiny, long_prompt):
     """Four slots and twelve places in the queue: of 20 long requests sent at once, those beyond 16 get a 429 in
-    the OpenAI shape with Retry-After; every accepted one completes; the server then serves the next request."""
+    the OpenAI shape with Retry-After, and so does `eval.serving`'s probe while they run; every accepted one
+    completes; the server then serves the next request."""
+    from eval.serving import FullQueueProbe
+
     body = {"messages": long_prompt, "temperature": 0, "max_tokens": LONG}
-    barrier = threading.Barrier(20)
+    barrier = threading.Barrier(21)
+
+    def probe():
+        barrier.wait()
+        with FullQueueProbe(tiny.url, "random:tiny", [5, 6, 7]) as p:
+            time.sleep(0.6)
+        return p.answers
 
     def send(_):
         with httpx.Client(timeout=300) as client:
@@ -285,8 +294,10 @@ def test_a_full_queue_answers_429_and_the_rest_complete(tiny, long_prompt):
             response = client.post(tiny.url + "/v1/chat/completions", json=body)
             return response, time.perf_counter() - started
 
-    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+    with concurrent.futures.ThreadPoolExecutor(21) as pool:
+        probed = pool.submit(probe)
         results = list(pool.map(send, range(20)))
+    assert len(probed.result()) >= 3 and {a.status for a in probed.result()} == {429}
     rejected = [(r, s) for r, s in results if r.status_code == 429]
     accepted = [r for r, _ in results if r.status_code == 200]
     assert len(rejected) + len(accepted) == 20 and rejected and len(accepted) >= 16
@@ -295,7 +306,8 @@ def test_a_full_queue_answers_429_and_the_rest_complete(tiny, long_prompt):
         print(f"429 answered in {seconds * 1000:.1f} ms")
     assert all(r.json()["usage"]["completion_tokens"] == LONG for r in accepted)
     assert tiny.client.completions.create(model="random:tiny", prompt=[5, 6, 7], max_tokens=2).usage
-    assert tiny.metrics()['hspec_requests_total{outcome="rejected"}'] == len(rejected)
+    rejected_total = tiny.metrics()['hspec_requests_total{outcome="rejected"}']
+    assert rejected_total == len(rejected) + len(probed.result())
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(tiny, long_prompt):
@@ -432,12 +444,14 @@ def test_eval_serving_drives_the_server_over_http(tiny, tmp_path, capsys):
 
 def test_an_http_row_times_the_answers_of_a_full_queue():
     """`eval.serving` over HTTP: 429s count as refused and their latencies (sent -> status) are reported p50 / p99;
-    another failure counts as refused only."""
+    another failure counts as refused only; the probe's 429s are reported apart, its other answers not at all."""
     from eval.serving import Refusal, measure_http
 
-    row = measure_http([], [Refusal(429, 0.010), Refusal(500, 2.0), Refusal(429, 0.030)], 0.0, {}, {})
+    refusals = [Refusal(429, 0.010), Refusal(500, 2.0), Refusal(429, 0.030)]
+    row = measure_http([], refusals, 0.0, {}, {}, [Refusal(429, 0.004), Refusal(200, 0.5), Refusal(429, 0.002)])
     assert (row["requests"], row["answered"], row["refused"], row["queue_full"]) == (3, 0, 3, 2)
     assert row["queue_full_p50"] == pytest.approx(0.020) and 0.029 < row["queue_full_p99"] <= 0.030
+    assert row["probe_full"] == 2 and row["probe_full_p50"] == pytest.approx(0.003)
 
 
 def test_sigterm_finishes_or_cancels_in_flight_requests_and_exits_0(tiny, long_prompt):
