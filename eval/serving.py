@@ -548,8 +548,8 @@ def write_http_report(out_dir: str, rows: list[dict], meta: dict) -> str:
         "token-id prompts, the usage in every chunk). TTFT: request sent -> first token received; ITL: tokens "
         "arriving in one chunk share the time since the previous chunk. 429s: the answers of a full queue, request "
         "sent -> status received, to the load's requests (in bursts) and to a probe client asking for one token "
-        f"every {PROBE_INTERVAL} s while the load can fill the queue. In-process rows run the same engine (slots, limits, per-request sampling) on the "
-        "same prompts in this process, between the HTTP runs.",
+        f"every {PROBE_INTERVAL} s while the load can fill the queue. In-process rows run the same engine (slots, "
+        "limits, per-request sampling) on the same prompts in this process, between the HTTP runs.",
     ]
     report = os.path.join(out_dir, "report.md")
     with open(report, "w") as f:
