@@ -16,6 +16,10 @@ Writes into `--out`:
                  prediction per task and overall, drafter-side KV bytes, paired bootstrap CIs between drafters
   *.png          tau per task, acceptance by draft index, speedup per task, tau vs position in the block
 
+`--repeats N` times every call N times (the first run gives the outputs; the other N - 1 only time it again, all the
+calls of a prompt in alternating order, reversed every other round) and reports the median times, so that a
+speedup of a few percent per task is not one noisy timing.
+
 Greedy runs (`--temperature 0`, the default) check that every drafter's output equals plain decoding on every
 prompt and turn; a mismatch stops the run with exit status 1 and names the prompt. At temperature 1 the fraction of
 identical outputs is reported.
@@ -89,6 +93,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="sampling, random weights and bootstrap seed")
     parser.add_argument("--cache-length", type=int, default=None, help="one fixed KV capacity (default: bucketed)")
     parser.add_argument("--prompt-width", type=int, default=None, help="one fixed padded width (default: bucketed)")
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=1,
+        help="timed calls per prompt, turn and method, the methods alternating (times: medians; default 1)",
+    )
     parser.add_argument("--bootstrap-resamples", type=int, default=10000)
     parser.add_argument(
         "--compile-cache",
@@ -220,11 +230,12 @@ class Evaluation:
         with tqdm(total=total, desc="eval", unit="turn", file=sys.stderr) as progress:
             for unit_index, unit in enumerate(units):
                 plain_out: dict[tuple[str, int], np.ndarray] = {}
+                calls = []  # (timed call, its rows) in order
                 for method in self.methods:
                     answers: list[list[str]] = [[] for _ in unit]
                     for turn in range(len(unit[0].turns)):
                         progress.set_description(f"{unit[0].task} {method.name}")
-                        outputs, new_rows = self.generate(method, unit, unit_index, turn, answers, progress)
+                        outputs, new_rows, call = self.generate(method, unit, unit_index, turn, answers, progress)
                         for prompt, out, row in zip(unit, outputs, new_rows, strict=True):
                             if method.drafter is None:
                                 plain_out[(prompt.id, turn)] = out
@@ -233,14 +244,37 @@ class Evaluation:
                                 row["identical"] = same_output(
                                     out, reference, self.sampling.greedy, method, prompt, turn
                                 )
-                            self.results.write(json.dumps(row) + "\n")
-                            rows.append(row)
-                        self.results.flush()
+                        calls.append((call, new_rows))
                         progress.update(1)
+                self.retime(calls)
+                for _, new_rows in calls:
+                    for row in new_rows:
+                        self.results.write(json.dumps(row) + "\n")
+                        rows.append(row)
+                self.results.flush()
         return rows
 
+    def retime(self, calls: list[tuple]) -> None:
+        """`--repeats`: time every call of a unit again, `repeats - 1` more times, in alternating order (reversed
+        every other round), and give each row the median times (`call_seconds_runs`: every decoding time)."""
+        if self.args.repeats == 1:
+            return
+        times = [[(rows[0]["call_prefill_seconds"], rows[0]["call_seconds"])] for _, rows in calls]
+        for r in range(1, self.args.repeats):
+            order = range(len(calls)) if r % 2 == 0 else reversed(range(len(calls)))
+            for i in order:
+                run, tokens, lengths, seed = calls[i][0]
+                result = generate_streaming(run, self.args.max_new_tokens, prompts=(tokens, lengths), seed=seed)
+                times[i].append((result.prefill_seconds, result.seconds))
+        for (_, rows), timed in zip(calls, times, strict=True):
+            prefill, decode = np.median(np.array(timed), axis=0)
+            for row in rows:
+                row["call_prefill_seconds"], row["call_seconds"] = float(prefill), float(decode)
+                row["call_seconds_runs"] = [round(t, 6) for _, t in timed]
+
     def generate(self, method, unit, unit_index, turn, answers, progress):
-        """One timed generation of turn `turn` for a unit -> (per prompt output ids, per prompt rows)."""
+        """One timed generation of turn `turn` for a unit -> (per prompt output ids, per prompt rows, the call:
+        (compiled runner, tokens, lengths, seed), to time it again)."""
         ids = [self.target.encoder.encode(p, a) for p, a in zip(unit, answers, strict=True)]
         width, capacity = self.shapes(ids)
         tokens, lengths = pad_batch(ids, self.target.pad_id, width)
@@ -281,7 +315,7 @@ class Evaluation:
                 row["predicted_at"] = np.asarray(stats.predicted_at[b]).round(4).tolist()
                 row["k_steps"] = steps_by_draft_length(method, np.asarray(stats.chosen[b]))
             rows.append(row)
-        return outputs, rows
+        return outputs, rows, (run, tokens, lengths, seed)
 
 
 def steps_by_draft_length(method: Method, chosen: np.ndarray) -> list[int]:
@@ -353,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             "temperature": args.temperature,
             "batch size": args.batch_size,
             "seed": args.seed,
+            "timed calls per turn (median)": args.repeats,
             "compiled shapes": len(evaluation.runners),
         },
         "methods": [method_meta(m, target.config, evaluation.kv_peak[m.name]) for m in methods],

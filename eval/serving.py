@@ -47,7 +47,8 @@ so they also time this process's and the server's queueing of a burst) and those
 thread of its own that, while such a load runs, asks for one token every `PROBE_INTERVAL` seconds (what a client
 arriving at a full server waits; an accepted probe adds a request of one token to the load).
 `--in-process` also times, right before each HTTP run, the engine that server runs (its slots, limits, cost
-table, per-request sampling) in this process on the same prompts, and the report gives HTTP / in-process throughput:
+table, per-request sampling) in this process on the same prompts, and the report gives HTTP / in-process throughput
+(`--rounds N`: N such pairs, alternating which runs first, and the median ratio):
 
     python -m hspec_jax.serve --target smollm2 --slots 16 --max-tokens 64 --port 8000 &
     python -m eval.serving --url http://127.0.0.1:8000 --in-process --concurrency 1,16 --requests 64 \\
@@ -133,6 +134,9 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument(
         "--in-process", action="store_true", help="with --url: also time the same engine in this process, same prompts"
     )
+    parser.add_argument(
+        "--rounds", type=positive_int, default=1, help="with --in-process: rounds of both, alternating which goes first"
+    )
     parser.add_argument("--out", required=True, help="output directory")
     return parser.parse_args(argv)
 
@@ -153,6 +157,8 @@ def check_args(args) -> None:
         )
     if args.in_process and not args.url:
         raise InputError("--in-process puts the engine beside a server: it needs --url")
+    if args.rounds > 1 and not args.in_process:
+        raise InputError("--rounds alternates the HTTP and the in-process runs: it needs --in-process")
     try:
         parse_tasks(args.tasks)
     except ValueError as e:
@@ -509,6 +515,22 @@ def in_process(target: Target, info: dict, prompts: list[list[int]], clients: in
     )
 
 
+def http_round(url: str, info: dict, target, prompts: list[list[int]], clients: int, args, i: int) -> list[dict]:
+    """Round `i` at one server and concurrency: the HTTP run, and with `--in-process` the in-process run first in
+    even rounds, second in odd ones -> their rows (the HTTP row with its `vs_in_process` throughput ratio)."""
+    order = ("in-process", "HTTP") if args.in_process and i % 2 == 0 else ("HTTP", "in-process")
+    rows = []
+    for via in order:
+        if via == "HTTP":
+            rows.append(serve_http(url, info, prompts, clients, args))
+        elif args.in_process:
+            rows.append(in_process(target, info, prompts, clients, args))
+    if args.in_process:
+        http, local = sorted(rows, key=lambda r: r["via"])
+        http["vs_in_process"] = http["throughput"] / local["throughput"]
+    return [row | {"server": url, "round": i} for row in rows]
+
+
 def report_head(title: str, meta: dict, what: str) -> list[str]:
     """The first lines of a report: title, command, machine, what was served, settings."""
     lines = [f"# {title}", "", f"Command: `{meta['command']}`", ""]
@@ -518,26 +540,26 @@ def report_head(title: str, meta: dict, what: str) -> list[str]:
 
 def write_http_report(out_dir: str, rows: list[dict], meta: dict) -> str:
     """`report.md` of a run over HTTP (with the in-process rows beside, if any)."""
-    inside = {(r["method"], r["clients"]): r for r in rows if r["via"] == "in-process"}
     ms = lambda x: fmt(x * 1000, 1)
     servers = "Servers: " + "; ".join(f"{u}: {json.dumps(i)}" for u, i in meta["servers"].items())
     lines = [
         *report_head("Serving over HTTP: throughput and latency vs concurrency", meta, servers),
-        "| method | via | clients | slots | answered | tok/s | HTTP / in-process | TTFT p50 / p99 ms "
+        "| server | round | method | via | clients | slots | answered | tok/s | HTTP / in-process | TTFT p50 / p99 ms "
         "| ITL p50 / p99 ms | tau | refused | 429s to the load: count, p50 / p99 ms | 429s to a probe |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    ratios: dict[tuple, list[float]] = {}
     for r in rows:
         full = {
             k: f"{r[k]}, {ms(r[k + '_p50'])} / {ms(r[k + '_p99'])}" if r.get(k) else "-"
             for k in ("queue_full", "probe_full")
         }
-        base = inside.get((r["method"], r["clients"]))
-        ratio = "-"
-        if r["via"] == "HTTP" and base and base["throughput"]:
-            ratio = fmt(r["throughput"] / base["throughput"])
+        ratio = fmt(r["vs_in_process"]) if "vs_in_process" in r else "-"
+        if "vs_in_process" in r:
+            ratios.setdefault((r["server"], r["method"], r["clients"]), []).append(r["vs_in_process"])
         lines.append(
-            f"| {r['method']} | {r['via']} | {r['clients']} | {r['slots']} | {r['answered']}/{r['requests']} "
+            f"| {r['server']} | {r['round']} | {r['method']} | {r['via']} | {r['clients']} | {r['slots']} "
+            f"| {r['answered']}/{r['requests']} "
             f"| {fmt(r['throughput'], 1)} | {ratio} | {ms(r['ttft_p50'])} / {ms(r['ttft_p99'])} "
             f"| {ms(r['itl_p50'])} / {ms(r['itl_p99'])} | {fmt(r['tau']) if r['tau'] is not None else '-'} "
             f"| {r['refused']} | {full['queue_full']} | {full['probe_full']} |"
@@ -549,8 +571,18 @@ def write_http_report(out_dir: str, rows: list[dict], meta: dict) -> str:
         "arriving in one chunk share the time since the previous chunk. 429s: the answers of a full queue, request "
         "sent -> status received, to the load's requests (in bursts) and to a probe client asking for one token "
         f"every {PROBE_INTERVAL} s while the load can fill the queue. In-process rows run the same engine (slots, "
-        "limits, per-request sampling) on the same prompts in this process, between the HTTP runs.",
+        "limits, per-request sampling) on the same prompts in this process, right before or after each HTTP run "
+        "(alternating by round); HTTP / in-process compares the two runs of one round.",
     ]
+    if ratios:
+        lines += [
+            "",
+            "| server | method | clients | HTTP / in-process: median over rounds | rounds |",
+            "|---|---|---|---|---|",
+        ]
+        for (server, method, clients), values in ratios.items():
+            each = ", ".join(fmt(v) for v in values)
+            lines.append(f"| {server} | {method} | {clients} | {fmt(float(np.median(values)))} | {each} |")
     report = os.path.join(out_dir, "report.md")
     with open(report, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -596,17 +628,18 @@ def main_http(args, argv: list[str]) -> int:
                 args.page_size, args.prefill_chunk = info["page_size"], info["prefill_chunk"]
                 args.steps_per_iteration = info["steps_per_iteration"]
             for clients in args.concurrency:
-                local = [in_process(target, info, prompts, clients, args)] if args.in_process else []
-                for row in [*local, serve_http(url, info, prompts, clients, args)]:
-                    rows.append(row)
-                    results.write(json.dumps(row) + "\n")
-                    results.flush()
-                    print(
-                        f"{row['method']} via {row['via']} x{clients}: {row['throughput']:.1f} tok/s, "
-                        f"{row['answered']}/{row['requests']} answered, TTFT p50 {row['ttft_p50'] * 1000:.1f} ms, "
-                        f"ITL p50 {row['itl_p50'] * 1000:.1f} ms",
-                        file=sys.stderr,
-                    )
+                for i in range(args.rounds):
+                    pair = http_round(url, info, target, prompts, clients, args, i)
+                    for row in pair:
+                        rows.append(row)
+                        results.write(json.dumps(row) + "\n")
+                        results.flush()
+                        print(
+                            f"{row['method']} via {row['via']} x{clients}: {row['throughput']:.1f} tok/s, "
+                            f"{row['answered']}/{row['requests']} answered, TTFT p50 {row['ttft_p50'] * 1000:.1f} "
+                            f"ms, ITL p50 {row['itl_p50'] * 1000:.1f} ms",
+                            file=sys.stderr,
+                        )
     meta = {
         "command": "python -m eval.serving " + shlex.join(argv),
         "machine": machine_facts(jnp.float32, bandwidth=False),

@@ -179,16 +179,20 @@ def test_eval_main_end_to_end_on_the_tiny_random_target(tmp_path):
 def test_eval_main_runs_each_drafter_at_each_k(tmp_path, monkeypatch):
     """`--k auto,2`: one method per drafter and draft length, named `SPEC k=K`, each lossless; fixed K verifies K
     drafts every step, auto reports its draft lengths per task and the confidence head's calibration. (The
-    drafter's own k, 7, is the end-to-end test's.)"""
+    drafter's own k, 7, is the end-to-end test's.) `--repeats 3`: every call timed three times, the median
+    reported."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # auto's step costs, measured once
     out = tmp_path / "eval"
     argv = ["--target", "random:tiny", "--drafter", "random:hspec", "--k", "auto,2", "--tasks", "math"]
     argv += ["--num-prompts", "1", "--max-new-tokens", "4", "--prompt-width", "1024", "--cache-length", "1040"]
-    argv += ["--bootstrap-resamples", "10", "--compile-cache", "", "--out", str(out)]
+    argv += ["--bootstrap-resamples", "10", "--repeats", "3", "--compile-cache", "", "--out", str(out)]
     assert eval_main.main(argv) == 0
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert {r["method"] for r in rows} == {"plain", "random:hspec k=auto", "random:hspec k=2"}
     for r in rows:
+        assert len(r["call_seconds_runs"]) == 3 and r["call_seconds"] == pytest.approx(
+            float(np.median(r["call_seconds_runs"])), abs=1e-5
+        )
         if r["method"] == "random:hspec k=auto":
             assert r["identical"] and len(r["k_steps"]) == 8 and sum(r["k_steps"]) == r["steps"]
         elif r["method"] != "plain":

@@ -435,11 +435,32 @@ def test_eval_serving_drives_the_server_over_http(tiny, tmp_path, capsys):
         assert r["answered"] == 6 and r["refused"] == r["queue_full"] == 0 and 6 <= r["tokens"] <= 48
         assert r["throughput"] > 0
         assert r["ttft_p50"] > 0 and r["itl_p50"] > 0 and 1 <= r["tau"] <= 3
-    assert "| random:hspec k=2 | HTTP | 3 | 4 | 6/6 |" in (out / "report.md").read_text()
+    assert f"| {tiny.url} | 0 | random:hspec k=2 | HTTP | 3 | 4 | 6/6 |" in (out / "report.md").read_text()
     assert run(eval_serving.main, [*argv, "--max-new-tokens", "300", "--out", str(out)]) == 1
     assert "gives at most 128" in capsys.readouterr().err
     assert run(eval_serving.main, [*argv, "--in-process", "--max-new-tokens", "8", "--out", str(out)]) == 1
     assert "with --max-tokens 8" in capsys.readouterr().err
+    assert run(eval_serving.main, [*argv, "--rounds", "2", "--max-new-tokens", "8", "--out", str(out)]) == 1
+    assert "--rounds alternates the HTTP and the in-process runs" in capsys.readouterr().err
+
+
+def test_eval_serving_alternates_http_and_in_process_runs(tiny, tmp_path):
+    """`--in-process --rounds 2`: the same engine in this process first, then over HTTP, then the other way round;
+    each HTTP row carries its round's throughput ratio and the report gives their median."""
+    from eval import serving as eval_serving
+
+    out = tmp_path / "rounds"
+    argv = ["--url", tiny.url, "--in-process", "--rounds", "2", "--tasks", "qa", "--requests", "4"]
+    argv += ["--concurrency", "2", "--max-new-tokens", "128", "--compile-cache", "", "--out", str(out)]
+    assert eval_serving.main(argv) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["via"]) for r in rows] == [(0, "in-process"), (0, "HTTP"), (1, "HTTP"), (1, "in-process")]
+    assert all(r["answered"] == 4 and r["tokens"] > 0 for r in rows)
+    ratios = [r["vs_in_process"] for r in rows if r["via"] == "HTTP"]
+    for http, local in ((rows[1], rows[0]), (rows[2], rows[3])):
+        assert http["vs_in_process"] == pytest.approx(http["throughput"] / local["throughput"])
+    median = f"| {tiny.url} | random:hspec k=2 | 2 | {sum(ratios) / 2:.2f} | {ratios[0]:.2f}, {ratios[1]:.2f} |"
+    assert median in (out / "report.md").read_text()
 
 
 def test_an_http_row_times_the_answers_of_a_full_queue():
