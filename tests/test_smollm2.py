@@ -1,5 +1,9 @@
 """The embedded real model (SmolLM2-135M-Instruct, GGUF Q4_1 dequantized) against transformers."""
 
+import os
+import subprocess
+import sys
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -89,13 +93,18 @@ def test_the_gguf_tokenizer_saved_in_the_user_cache_is_the_one_built_from_the_fi
 ):
     """The first process builds the tokenizer from the GGUF file and saves it in the user cache; the next one reads
     it from there: the same vocabulary, special tokens, chat template and encoding. A cached copy that no longer
-    loads is built again and replaced."""
+    loads is built again and replaced. Reading the saved one needs neither `AutoTokenizer` nor torch (whose imports
+    cost every process over a second)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     stamp = file_stamp(resolve("smollm2"))
     built = _gguf_tokenizer.__wrapped__(*stamp)
     (saved,) = (tmp_path / "hspec_jax" / "tokenizers").iterdir()
     read = _gguf_tokenizer.__wrapped__(*stamp)
     assert read.name_or_path == str(saved) and built.name_or_path != str(saved)
+    check = "import sys; from hspec_jax.checkpoints import load_tokenizer; load_tokenizer('smollm2'); "
+    check += "print(sorted({'torch', 'transformers.models.auto'} & set(sys.modules)))"
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    assert subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True).stdout == "[]\n"
     (saved / "tokenizer.json").write_text("{")  # damaged
     rebuilt = _gguf_tokenizer.__wrapped__(*stamp)
     assert rebuilt.name_or_path != str(saved) and _gguf_tokenizer.__wrapped__(*stamp).name_or_path == str(saved)
@@ -103,6 +112,10 @@ def test_the_gguf_tokenizer_saved_in_the_user_cache_is_the_one_built_from_the_fi
         assert tokenizer.get_vocab() == smollm2_tokenizer.get_vocab()
         assert tokenizer.chat_template == smollm2_tokenizer.chat_template
         assert tokenizer.all_special_tokens == smollm2_tokenizer.all_special_tokens
+        assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (
+            smollm2_tokenizer.eos_token_id,
+            smollm2_tokenizer.pad_token_id,
+        )
         assert chat_prompt_ids(tokenizer, CHAT_PROMPT) == chat_prompt
         assert tokenizer.decode(chat_prompt) == smollm2_tokenizer.decode(chat_prompt)
 

@@ -99,7 +99,7 @@ def _gguf_tokenizer(path: str, *stamp: int):
     saved = user_cache_dir("tokenizers") / hashlib.sha256(key.encode()).hexdigest()[:20]
     if saved.is_dir():
         try:
-            return _tokenizer(path, str(saved))
+            return _tokenizer(path, str(saved), fast_only=True)
         except CheckpointError:
             shutil.rmtree(saved, ignore_errors=True)
     tokenizer = _tokenizer(path, os.path.dirname(path), gguf_file=os.path.basename(path))
@@ -116,11 +116,17 @@ def _gguf_tokenizer(path: str, *stamp: int):
     return tokenizer
 
 
-def _tokenizer(path: str, where: str, **kw):
-    from transformers import AutoTokenizer
+def _tokenizer(path: str, where: str, fast_only: bool = False, **kw):
+    """`fast_only`: a tokenizer saved with its `tokenizer.json` (as `_gguf_tokenizer` saves one), read by the fast
+    tokenizer class alone: the same tokenizer, without the ~1.3 s that importing `AutoTokenizer` (and with it
+    torch) adds to every process."""
+    if fast_only:
+        from transformers import PreTrainedTokenizerFast as Loader
+    else:
+        from transformers import AutoTokenizer as Loader
 
     try:
-        return AutoTokenizer.from_pretrained(where, **kw)
+        return Loader.from_pretrained(where, **kw)
     except (OSError, ValueError, KeyError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: no usable tokenizer ({reason})") from None
