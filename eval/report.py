@@ -240,7 +240,9 @@ def write_report(out_dir: str, rows: list[dict], meta: dict) -> list[str]:
         "",
         "## Per task",
         "",
-        "| task | prompts | plain tokens/s | " + " | ".join(f"{m}: tau / speedup / predicted" for m in drafters) + " |",
+        "| task | prompts | plain tokens/s | "
+        + " | ".join(f"{m}: tau / slot-1 / speedup / predicted" for m in drafters)
+        + " |",
         "|---|---|---|" + "---|" * len(drafters),
     ]
     for task in tasks:
@@ -249,11 +251,14 @@ def write_report(out_dir: str, rows: list[dict], meta: dict) -> list[str]:
         for m in drafters:
             t = by[(m, task)]
             measured, _, predicted = speedups(t, p)
-            cells.append(f"{fmt(t.tau)} / {fmt(measured)}x / {fmt(predicted)}x")
+            slot_1 = fmt(t.acceptance_by_position()[0]) if len(t.reached_at) else "n/a"
+            cells.append(f"{fmt(t.tau)} / {slot_1} / {fmt(measured)}x / {fmt(predicted)}x")
         prompts = len({r["prompt_id"] for r in rows if r["task"] == task})
         lines.append(f"| {task} | {prompts} | {fmt(p.tokens_per_s, 1)} | " + " | ".join(cells) + " |")
     k_max = max((len(overall[m].reached_at) for m in drafters), default=0)
     lines += [
+        "",
+        "slot-1: the share of verified first drafts the target accepted (draft index 1 of the table below).",
         "",
         "## Conditional acceptance by draft index (all tasks; per task below)",
         "",

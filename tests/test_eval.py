@@ -143,7 +143,7 @@ def test_report_writer(tmp_path):
     assert "| A | 3 | 4.00 | 55.0 | 2.00x | 2.00x | 1.83x | 62.50 | 0 | 0 | 3/3 |" in text
     assert "| B | 3 | 2.00 | 36.7 | 1.25x | 1.25x | 1.22x | 50.00 | 1,280 | 327,680 | 3/3 |" in text
     assert "| A | all | 1.00 | 1.00 | 0.00 |" in text and "| B | all | 1.00 | 0.00 | n/a |" in text
-    assert "| math | 2 | 30.0 | 4.00 / 2.00x / 2.00x | 2.00 / 1.25x / 1.25x |" in text
+    assert "| math | 2 | 30.0 | 4.00 / 1.00 / 2.00x / 2.00x | 2.00 / 1.00 / 1.25x / 1.25x |" in text
     assert "| all | A vs B | 3 | +100.0% [+100.0, +100.0] | +60.0% [+60.0, +60.0] |" in text
     assert "Machine: a CPU, 2 cores" in text and "Command: `python -m eval.main --test`" in text
 
