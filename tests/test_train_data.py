@@ -561,3 +561,29 @@ def test_data_table_rows_and_parts(tmp_path):
     parts = split(str(path), str(tmp_path / "part"), 2)
     assert [p.rsplit("/", 1)[-1] for p in parts] == ["part00.jsonl", "part01.jsonl", "part02.jsonl"]
     assert "".join(Path(p).read_text() for p in parts) == path.read_text()
+
+
+def test_the_task_recipe_trains_on_every_committed_part_and_holds_out_the_task_set():
+    """configs/smollm2_tasks.py: the chat mix and every committed task part, each weighted by its conversations
+    (so each conversation is drawn about equally often), the task-shaped held-out set measured per family."""
+    import glob
+    import os
+
+    from hspec_jax.recipes import load_config
+
+    config = load_config("configs/smollm2_tasks.py")
+    sources = parse_sources(config.data.sources)
+    data = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+    parts = sorted(glob.glob(os.path.join(data, "smollm2_tasks_v1_part*.jsonl")))
+    assert len(parts) >= 3
+    assert [s.location for s in sources] == [
+        os.path.join(data, "smollm2_sharegpt_v2.jsonl"),
+        os.path.join(data, "smollm2_magpie.jsonl"),
+        *parts,
+    ]
+    for source in sources:
+        with open(source.location, encoding="utf-8") as f:
+            assert source.weight == sum(1 for line in f if line.strip()), source.name
+    assert config.data.held_out == os.path.join(data, "smollm2_tasks_heldout.jsonl")
+    assert config.data.held_out_family_batches > 0
+    assert config.train.init_from == "smollm2-hspec"
