@@ -582,8 +582,7 @@ def test_the_task_recipe_trains_on_every_committed_part_and_holds_out_the_task_s
         *parts,
     ]
     for source in sources:
-        with open(source.location, encoding="utf-8") as f:
-            assert source.weight == sum(1 for line in f if line.strip()), source.name
+        assert source.weight == len(load_conversations(source)), source.name
     assert config.data.held_out == os.path.join(data, "smollm2_tasks_heldout.jsonl")
     assert config.data.held_out_family_batches > 0
     assert config.train.init_from == "smollm2-hspec"
