@@ -11,7 +11,6 @@ import glob
 import os
 
 from hspec_jax.recipes import load_config
-from train.jsonl import jsonl_lines
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 CHAT = {"regen": "smollm2_sharegpt_v2.jsonl", "magpie": "smollm2_magpie.jsonl"}
@@ -19,9 +18,11 @@ TASK_PARTS = "smollm2_tasks_v1_part*.jsonl"
 
 
 def conversations(path: str) -> int:
-    """The number of records (non-empty lines) of a JSONL file."""
+    """The number of records (non-empty lines) of a JSONL file. Reading it as text splits lines at line breaks only,
+    never inside a record (JSON escapes them in strings); not `train.jsonl`'s splitter, since recipes load with only
+    `hspec_jax` installed."""
     with open(path, encoding="utf-8") as f:
-        return sum(1 for line in jsonl_lines(f.read()) if line.strip())
+        return sum(1 for line in f if line.strip())
 
 
 def get_config():
