@@ -88,36 +88,47 @@ def test_smollm2_long_prompt_matches_transformers(smollm2, smollm2_hf):
     np.testing.assert_allclose(np.asarray(ours)[0, ::50], theirs[0, ::50], atol=2e-3)
 
 
-def test_the_gguf_tokenizer_saved_in_the_user_cache_is_the_one_built_from_the_file(
-    smollm2_tokenizer, chat_prompt, tmp_path, monkeypatch
-):
-    """The first process builds the tokenizer from the GGUF file and saves it in the user cache; the next one reads
-    it from there: the same vocabulary, special tokens, chat template and encoding. A cached copy that no longer
-    loads is built again and replaced. Reading the saved one needs neither `AutoTokenizer` nor torch (whose imports
-    cost every process over a second)."""
+def test_the_gguf_tokenizer_saved_in_the_user_cache_is_the_one_built_from_the_file(chat_prompt, tmp_path, monkeypatch):
+    """The first process builds the tokenizer from the GGUF file's metadata and saves it in the user cache; the next
+    one reads it from there. Both are the tokenizer transformers' `AutoTokenizer` builds from the same file: the
+    same backend (vocabulary, merges, pre-tokenizer, decoder, added tokens), special tokens, chat template and
+    encodings. A cached copy that no longer loads is built again and replaced. Neither building nor reading needs
+    `AutoTokenizer` or torch (whose imports cost every process over a second)."""
+    from transformers import AutoTokenizer
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    stamp = file_stamp(resolve("smollm2"))
+    path = resolve("smollm2")
+    reference = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    stamp = file_stamp(path)
     built = _gguf_tokenizer.__wrapped__(*stamp)
     (saved,) = (tmp_path / "hspec_jax" / "tokenizers").iterdir()
     read = _gguf_tokenizer.__wrapped__(*stamp)
     assert read.name_or_path == str(saved) and built.name_or_path != str(saved)
     check = "import sys; from hspec_jax.checkpoints import load_tokenizer; load_tokenizer('smollm2'); "
     check += "print(sorted({'torch', 'transformers.models.auto'} & set(sys.modules)))"
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "empty")}
+    assert subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True).stdout == "[]\n"
+    env["XDG_CACHE_HOME"] = str(tmp_path)
     assert subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True).stdout == "[]\n"
     (saved / "tokenizer.json").write_text("{")  # damaged
     rebuilt = _gguf_tokenizer.__wrapped__(*stamp)
     assert rebuilt.name_or_path != str(saved) and _gguf_tokenizer.__wrapped__(*stamp).name_or_path == str(saved)
+    texts = [
+        "Hello world!  Two spaces, a tab\tand\nnew lines.\n\n",
+        "def f(x):\n    return x ** 2  # 123456 digits",
+        "Übersetze ins Französische: « Où est la gare ? » 東京は日本の首都です。 🙂",
+        "<|im_start|>user\nHi<|im_end|>\n<|endoftext|>",
+    ]
     for tokenizer in (built, read, rebuilt):
-        assert tokenizer.get_vocab() == smollm2_tokenizer.get_vocab()
-        assert tokenizer.chat_template == smollm2_tokenizer.chat_template
-        assert tokenizer.all_special_tokens == smollm2_tokenizer.all_special_tokens
-        assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (
-            smollm2_tokenizer.eos_token_id,
-            smollm2_tokenizer.pad_token_id,
-        )
-        assert chat_prompt_ids(tokenizer, CHAT_PROMPT) == chat_prompt
-        assert tokenizer.decode(chat_prompt) == smollm2_tokenizer.decode(chat_prompt)
+        assert tokenizer.backend_tokenizer.to_str() == reference.backend_tokenizer.to_str()
+        assert tokenizer.get_vocab() == reference.get_vocab()
+        assert tokenizer.chat_template == reference.chat_template
+        assert tokenizer.all_special_tokens == reference.all_special_tokens
+        assert [tokenizer(t)["input_ids"] for t in texts] == [reference(t)["input_ids"] for t in texts]
+        ids = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id)
+        assert ids == (reference.bos_token_id, reference.eos_token_id, reference.pad_token_id, reference.unk_token_id)
+        assert chat_prompt_ids(tokenizer, CHAT_PROMPT) == chat_prompt == chat_prompt_ids(reference, CHAT_PROMPT)
+        assert tokenizer.decode(chat_prompt) == reference.decode(chat_prompt)
 
 
 def test_the_gguf_tokenizer_is_built_once_and_handed_out_as_copies(smollm2_tokenizer):

@@ -12,7 +12,13 @@ import os
 import shutil
 import tempfile
 
-from hspec_jax.checkpoints.gguf import file_stamp, gguf_target_config, load_gguf_target, read_gguf
+from hspec_jax.checkpoints.gguf import (
+    file_stamp,
+    gguf_target_config,
+    load_gguf_target,
+    read_gguf,
+    tokenizer_from_gguf,
+)
 from hspec_jax.checkpoints.hf import CheckpointError, hf_target_config, load_hf_target
 from hspec_jax.checkpoints.orbax_io import is_orbax_target, orbax_target_config, restore_target
 from hspec_jax.models.config import TargetConfig
@@ -73,9 +79,9 @@ def read_target_config(spec: str, **config_overrides) -> TargetConfig:
 
 
 def load_tokenizer(spec: str):
-    """The tokenizer (with its chat template) that belongs to a target spec. A GGUF file's tokenizer is built by
-    transformers from the file's metadata (~5 s for SmolLM2's) and saved in the user cache, so it is built once
-    per file and machine; a process reads it once and hands out copies (~0.2 s). The other formats read a saved
+    """The tokenizer (with its chat template) that belongs to a target spec. A GGUF file's tokenizer is built
+    from the file's metadata (`tokenizer_from_gguf`) and saved in the user cache, so it is built once per file
+    and machine; a process reads it once and hands out copies (~0.2 s). The other formats read a saved
     tokenizer, which is quick."""
     path, fmt = target_format(spec)
     if fmt == "gguf":
@@ -102,7 +108,7 @@ def _gguf_tokenizer(path: str, *stamp: int):
             return _tokenizer(path, str(saved), fast_only=True)
         except CheckpointError:
             shutil.rmtree(saved, ignore_errors=True)
-    tokenizer = _tokenizer(path, os.path.dirname(path), gguf_file=os.path.basename(path))
+    tokenizer = tokenizer_from_gguf(read_gguf(path), path)
     try:
         saved.parent.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=saved.parent)
