@@ -202,8 +202,9 @@ def hf_config_from_gguf(reader: GGUFFile) -> dict:
 def tokenizer_from_gguf(reader: GGUFFile, path: str):
     """The fast tokenizer (vocabulary, merges, special tokens, chat template) that a GGUF file's metadata describes,
     built by transformers' GGUF converter from the metadata this module parsed: the same tokenizer as
-    `AutoTokenizer.from_pretrained(..., gguf_file=...)` (tests/test_smollm2.py compares them), in ~0.2 s instead of
-    ~5 s, because neither the config nor the file is read again by the `gguf` package and torch is not imported."""
+    `AutoTokenizer.from_pretrained(..., gguf_file=...)` (tests/test_smollm2.py compares them) without reading the
+    config and the file again through the `gguf` package or importing torch: SmolLM2's, from an empty user cache,
+    in a 3.8 s process instead of 11.0 s (3.0 s with the tokenizer cached)."""
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
