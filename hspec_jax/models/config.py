@@ -37,9 +37,11 @@ def hf_size(hf: dict, key: str, required: bool = True) -> int | None:
 
 def scan_layers_default() -> bool:
     """Scan the decoder layers on TPU only. Measured: XLA copies each layer's weights out of the stacked arrays
-    inside the scan, on CPU (a SmolLM2 decoding step 1.13x slower than one call per layer on separate weights,
-    benchmarks/results/scan_layers.md) and on GPU (a Llama-3.1-8B step 1.61x slower on one H200,
-    benchmarks/results/scan_layers_h200_llama8b.md), where the per-layer program compiles in 3-4 s against 2 s.
+    inside the scan, on CPU (a SmolLM2 decoding step 1.26-1.31x slower than one call per layer on separate weights
+    at 128-512 rows of cache capacity; from 1024 rows the scanned step is the faster, 0.66-0.83x, which this
+    default does not follow yet: benchmarks/results/scan_layers_by_capacity.md) and on GPU (a Llama-3.1-8B step
+    1.61x slower on one H200, benchmarks/results/scan_layers_h200_llama8b.md), where the per-layer program compiles
+    in 3-4 s against 2 s.
     TPU is not measured here: it scans, as MaxText and Levanter do there, compiling one layer instead of L."""
     return jax.default_backend() == "tpu"
 
