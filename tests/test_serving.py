@@ -21,6 +21,7 @@ from hspec_jax.decoding.policy import AdaptivePolicy
 from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.models import init_cache, init_params
+from hspec_jax.models.layers import for_backend
 from hspec_jax.recipes import drafter_from_recipe, target_config
 from hspec_jax.serving import (
     NULL_PAGE,
@@ -199,10 +200,17 @@ def test_continuous_batching_is_lossless(kind, adaptive, target_params, prompts,
 @pytest.mark.parametrize("kind", ["plain", "hspec", "dflash"])
 def test_dense_layout_is_lossless_and_never_preempts(kind, target_params, prompts, alone):
     """The dense layout (one contiguous cache row per slot, the data engine's): six requests on two slots, long
-    prompts in chunks: every answer equals decoding it alone, nothing is preempted, and a page count is refused."""
+    prompts in chunks: every answer equals decoding it alone, nothing is preempted, and a page count is refused.
+    The engine runs the params as every decoding driver places them (`for_backend`: on CPU fused projections and
+    one tree per layer, not slices of the stacked tree)."""
     bundle = served_bundle(kind, target_params, prompts)
     config = dataclasses.replace(small_pool_config(bundle, prompts), num_pages=None, layout="dense")
     engine = ServingEngine(bundle, config)
+    for placed, given in (
+        (engine.bundle.target_params, bundle.target_params),
+        (engine.bundle.drafter_params, bundle.drafter_params),
+    ):
+        assert jax.tree.structure(placed) == jax.tree.structure(for_backend(given) if given is not None else None)
     assert engine.cache.k[0].shape[:2] == (2, engine.max_pages * config.page_size)
     for i, prompt in enumerate(prompts):
         assert engine.submit(Request(f"r{i}", prompt)) is None

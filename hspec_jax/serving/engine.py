@@ -59,6 +59,7 @@ import numpy as np
 from hspec_jax.decoding.autoregressive import decode_steps, prefill_unjitted, start_decode
 from hspec_jax.decoding.batching import bucket, pad_batch
 from hspec_jax.decoding.bundle import Bundle, init_caches
+from hspec_jax.decoding.placement import Placement
 from hspec_jax.decoding.policy import AdaptivePolicy, first_prior
 from hspec_jax.decoding.sampling import RowSampling, SamplingConfig
 from hspec_jax.decoding.speculative import SpecStats, adaptive_costs, spec_prefill_unjitted, spec_steps
@@ -297,6 +298,9 @@ class ServingEngine:
             check_target(bundle.drafter, bundle.target)
         if config.policy is not None and (bundle.drafter is None or costs is None):
             raise ValueError("an adaptive draft length needs a drafter and a cost table (costs)")
+        # Params as the backend runs them best, as every decoding driver places them (on CPU fused projections and
+        # one tree per layer: on slices of the stacked tree a per-layer step reads copies of every layer's weights).
+        bundle = Placement(None, bundle.target.head_dim).bundle(bundle)
         self.bundle, self.config, self.clock = bundle, config, clock
         self.costs, self.on_tokens = costs, on_tokens
         c = config
