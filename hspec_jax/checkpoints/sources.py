@@ -122,7 +122,7 @@ def _gguf_tokenizer(path: str, *stamp: int):
     return tokenizer
 
 
-def _tokenizer(path: str, where: str, fast_only: bool = False, **kw):
+def _tokenizer(path: str, where: str, fast_only: bool = False):
     """`fast_only`: a tokenizer saved with its `tokenizer.json` (as `_gguf_tokenizer` saves one), read by the fast
     tokenizer class alone: the same tokenizer, without the ~1.3 s that importing `AutoTokenizer` (and with it
     torch) adds to every process."""
@@ -132,7 +132,7 @@ def _tokenizer(path: str, where: str, fast_only: bool = False, **kw):
         from transformers import AutoTokenizer as Loader
 
     try:
-        return Loader.from_pretrained(where, **kw)
+        return Loader.from_pretrained(where)
     except (OSError, ValueError, KeyError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: no usable tokenizer ({reason})") from None
