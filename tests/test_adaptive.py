@@ -46,7 +46,7 @@ from hspec_jax.decoding.speculative import (
 from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.models import init_cache
 
-POLICY = AdaptivePolicy.for_drafts(7)
+POLICY = AdaptivePolicy(choices=(0, 1, 2, 4, 7))
 CPU_LIKE = jnp.array([1.0, 1.3, 1.45, 1.7, 2.2])  # T(k) / T(0) for k = 0, 1, 2, 4, 7, as on a 2-core CPU
 FREE = jnp.array([1.0, 1.0, 1.0, 1.0, 1.0])  # an accelerator at small batch: drafting costs nothing
 # The engine compiles one verification per choice; the engine tests below give it three (a plain step, a short and
@@ -57,8 +57,11 @@ ENGINE_CPU_LIKE, ENGINE_FREE = CPU_LIKE[ENGINE_ROWS], FREE[ENGINE_ROWS]
 
 
 def test_choices_and_expected_yield():
-    assert POLICY.choices == (0, 1, 2, 4, 7)
-    assert AdaptivePolicy.for_drafts(3).choices == (0, 1, 2, 3)
+    assert AdaptivePolicy.for_drafts(7, "gpu").choices == AdaptivePolicy.for_drafts(7, "tpu").choices == POLICY.choices
+    assert AdaptivePolicy.for_drafts(3, "gpu").choices == (0, 1, 2, 3)
+    assert AdaptivePolicy.for_drafts(7, "cpu").choices == (0, 4, 7)
+    assert AdaptivePolicy.for_drafts(3, "cpu").choices == (0, 3)
+    assert AdaptivePolicy.for_drafts(7).choices == (0, 4, 7)  # this suite runs on CPU
     a = jnp.array([[0.5, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0]])
     np.testing.assert_allclose(expected_yield(a, POLICY.choices), [[1.0, 1.5, 1.75, 2.25, 3.0]])
     assert int(best_choice(a, CPU_LIKE, POLICY.choices)[0]) == 4  # 3.0 / 2.2 beats 1.5 / 1.3 and 1 / 1

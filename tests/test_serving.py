@@ -153,8 +153,9 @@ def small_pool_config(bundle: Bundle, prompts, policy=None) -> ServingConfig:
     )
 
 
-# Cheap drafting at first, so that an adaptive engine mixes draft lengths before it falls back to plain steps.
-ADAPTIVE_COSTS = np.array([1.0, 1.0, 1.05, 1.1, 1.2], np.float32)
+# Cheap drafting at first (T(k) / T(0) from 1.0 for the shortest draft to 1.2 for the longest), so that an adaptive
+# engine mixes draft lengths before it falls back to plain steps.
+adaptive_costs = lambda policy: np.array([1.0, *np.linspace(1.0, 1.2, len(policy.choices) - 1)], np.float32)
 
 
 @pytest.mark.parametrize(
@@ -166,7 +167,7 @@ def test_continuous_batching_is_lossless(kind, adaptive, target_params, prompts,
     the adaptive draft length."""
     bundle = served_bundle(kind, target_params, prompts)
     policy = AdaptivePolicy.for_drafts(bundle.drafter.num_drafts) if adaptive else None
-    costs = ADAPTIVE_COSTS if adaptive else None
+    costs = adaptive_costs(policy) if adaptive else None
     engine = ServingEngine(bundle, small_pool_config(bundle, prompts, policy), costs=costs)
     assert engine.submit(Request("too-long", (5,) * 25)).refused.startswith("prompt of 25 tokens exceeds")
     done = {}

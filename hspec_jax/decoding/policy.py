@@ -2,9 +2,9 @@
 
 A step that drafts k tokens costs T(k) (drafting + verifying k + 1 positions; T(0) = one plain step, the drafter
 not called) and yields 1 + sum_{j<=k} prod_{i<=j} a_i tokens, with a_i the conditional acceptance of slot i.
-Each step takes the k among the compiled choices (`AdaptivePolicy.choices`, e.g. 0, 1, 2, 4, 7) that maximises
-yield / cost. The costs `[C]` are T(k) / T(0), measured on the device (`costs.py`), a traced array: a new table
-needs no recompilation.
+Each step takes the k among the compiled choices (`AdaptivePolicy.choices`: by default 0, 1, 2, 4, 7 on accelerators,
+0, 4, 7 on CPU) that maximises yield / cost. The costs `[C]` are T(k) / T(0), measured on the device (`costs.py`),
+a traced array: a new table needs no recompilation.
 
 Acceptance estimates, per sequence and slot i (all in the loop state, `PolicyState`):
 
@@ -63,6 +63,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+# The draft lengths below the drafter's k that `AdaptivePolicy.for_drafts` compiles, per platform. Every choice is a
+# target forward in the compiled loop and a column of the cost table measured at first use. On CPU a verification
+# of 2 to 5 rows costs what 8 rows almost do (one of SmolLM2's products: 1 row 110 us, 2 rows 210, 4 rows 177,
+# 8 rows 216, benchmarks/results/matmul_rows.md), so a draft of 1 or 2 never yields more per unit of time than one
+# of 4, and those branches only cost compiling and measuring (benchmarks/results/draft_choices.md). Accelerators
+# keep the short drafts: at large batches a verification's cost grows with its rows there.
+SHORT_DRAFTS = {"cpu": (4,), "default": (1, 2, 4)}
+
 
 @dataclasses.dataclass(frozen=True)
 class AdaptivePolicy:
@@ -93,9 +101,11 @@ class AdaptivePolicy:
             raise ValueError(f"need 1 <= probe_every <= probe_max, got {self.probe_every}, {self.probe_max}")
 
     @classmethod
-    def for_drafts(cls, k: int, **settings) -> AdaptivePolicy:
-        """The default choices {0, 1, 2, 4, k} cut at k, for a drafter of k drafts."""
-        return cls(choices=tuple(sorted({c for c in (0, 1, 2, 4) if c < k} | {k})), **settings)
+    def for_drafts(cls, k: int, platform: str | None = None, **settings) -> AdaptivePolicy:
+        """The default choices for a drafter of k drafts on `platform` (default: JAX's default backend):
+        `SHORT_DRAFTS` of that platform below k, then k, after 0."""
+        short = SHORT_DRAFTS.get(platform or jax.default_backend(), SHORT_DRAFTS["default"])
+        return cls(choices=tuple(sorted({c for c in short if c < k} | {0, k})), **settings)
 
     @property
     def max_drafts(self) -> int:
