@@ -45,9 +45,9 @@ that keeps its loop state (serving) or hands the prior on to its next generation
 untrained drafter is not trusted again at every request's start, nor probed at the first wait again. It only
 changes which widths are verified, never the output.
 
-Plain steps certain to come (the estimates want no block and no probe is due) run in a loop of their own inside
-the engine (`speculative.py`), without the drafter and the policy's bookkeeping, so that a plain step costs
-about what plain decoding costs.
+Plain steps certain to come (the estimates want no block and no probe is due) run as a run of steps in the engine
+(`speculative.py`) without the drafter and the policy's bookkeeping, so that a plain step costs about what plain
+decoding costs.
 
 Batch policy: the drafter runs when any active sequence wants to draft, and the step verifies the largest k any
 active sequence chose. Every sequence then verifies all k drafted slots of that width: the target pays for the

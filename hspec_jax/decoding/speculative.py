@@ -15,8 +15,9 @@ With an `AdaptivePolicy` (`policy.py`) the number of drafts verified changes per
 widths, each run only when chosen (k = 0 is a plain step: one position verified, and the drafter not called for
 the step after, unless its policy decides to draft: step 4 is then skipped; DFlash/DSpark keep the new row pending
 and inject the pending rows with the next drafting step's, or on their own every `PENDING_ROWS` plain steps). Plain
-steps that are certain to come (no sequence wants a block, no probe is due) run in an inner loop that does only what
-plain decoding does plus the taps: a plain step costs about a plain decoding step. Without a policy, every step
+steps that are certain to come (no sequence wants a block, no probe is due) form a run whose steps do only what plain
+decoding does plus the taps: a plain step costs about a plain decoding step. Every width is verified at one place in
+the loop, plain steps of runs included, so the compiled loop holds one target forward per choice. Without a policy, every step
 verifies the drafter's k.
 
 Sequences stop at EOS, `max_new_tokens`, or when the cache has no room for another block of k+1 rows.
@@ -159,6 +160,14 @@ def _counted(stats: SpecStats, s, active: jax.Array, n: jax.Array, drafts: jax.A
         stats.predicted_at + reached * s.confidence,
         stats.chosen + on * (jnp.arange(stats.chosen.shape[1]) == s.choice),
     )
+
+
+class PlainRun(NamedTuple):
+    """The loop's run of plain steps certain to come (`spec_steps`): none left outside one."""
+
+    left: jax.Array  # [] plain steps left in the run
+    active: jax.Array  # [B] the sequences active when it began
+    steps: jax.Array  # [B] plain steps each took in it so far
 
 
 class SpecState(NamedTuple):
@@ -391,35 +400,6 @@ def spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sam
         done = s.done | (eos_hits & (slots < count[:, None])).any(-1) | (num >= max_new_tokens) | ~_room(cache, k)
         return tokens, num, done, cache
 
-    def plain_run(carry, last):
-        """`last` plain steps in a row (`plain_run_length`; fewer if every sequence finishes), each only what plain
-        decoding does plus the taps: no drafter, no policy arithmetic. Sequences that finish during the run are
-        remembered together at its end (their estimates do not change once done)."""
-        s, cache, context = carry
-        active = ~s.done
-        none = jnp.zeros((batch,), jnp.int32)
-
-        def one(inner):
-            i, plain, s, cache = inner
-            running = ~s.done
-            accept_rng, _, rng = jax.random.split(s.rng, 3)
-            start = cache.lengths
-            _, nxt, cache, taps = verifiers[0](s, cache, accept_rng)
-            tokens, num, done, cache = emit(s, cache, none, nxt)
-            pending = None if s.pending is None else _pended(s.pending, taps, running)
-            seed = seed_hidden_at(taps, cache.lengths[:, None], start)[:, 0]
-            stats = _counted(s.stats, s, running, none, jnp.int32(0))
-            s = s._replace(
-                step=s.step + 1, tokens=tokens, num=num, done=done, anchor=nxt, seed=seed, stats=stats, pending=pending
-            )
-            return i + 1, plain + running, s._replace(rng=rng), cache
-
-        def more(inner):
-            return (inner[0] < last) & ~jnp.all(inner[2].done)
-
-        _, plain, s, cache = jax.lax.while_loop(more, one, (jnp.int32(0), none, s, cache))
-        return s._replace(policy=remember(idled(s.policy, plain), active & s.done)), cache, context
-
     def plain_run_length(s):
         """Scalar: plain steps certain to follow (0 unless this step is plain, its block was not drafted and the
         estimates, which plain steps leave as they are, want no block under the current cost table): up to the step
@@ -432,6 +412,20 @@ def spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sam
             last = jnp.minimum(last, PENDING_ROWS - 1 - jnp.max(jnp.where(active, s.pending.count, 0)))
         return jnp.where(undrafted, jnp.maximum(last, 0), 0)
 
+    def new_run(s):
+        return PlainRun(plain_run_length(s), ~s.done, jnp.zeros((batch,), jnp.int32))
+
+    def verify_chosen(s, cache, rng):
+        """The chosen width's verification -> (n, next token, cache, taps): with a policy, one target forward per
+        choice, each in its own `_when`, and only the chosen one runs."""
+        if policy is None:
+            return verifiers[0](s, cache, rng)
+        taps = jax.eval_shape(verifiers[0], s, cache, rng)[3]
+        out = (jnp.zeros((batch,), jnp.int32), s.anchor, cache, jnp.zeros(taps.shape, taps.dtype))
+        for i, verify in enumerate(verifiers):
+            out = _when(s.choice == i, lambda o, verify=verify: verify(s, o[2], rng), out)
+        return out
+
     def draft(inputs, rng, context):
         return draft_next(bundle, sampling, inputs.replace(drafter_cache=context), rng)
 
@@ -441,24 +435,27 @@ def spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sam
         operands, context = carry[4], carry[3]
         return (*draft(*operands, context), operands)
 
-    def body(carry):
-        s, cache, context = carry
-        accept_rng, draft_rng, rng = jax.random.split(s.rng, 3)
-        active = ~s.done
-        start = cache.lengths
-        if policy is None:
-            n, nxt, cache, taps = verifiers[0](s, cache, accept_rng)
-        else:  # one verification runs: the chosen width's
-            taps = jax.eval_shape(verifiers[0], s, cache, accept_rng)[3]
-            out = (jnp.zeros((batch,), jnp.int32), s.anchor, cache, jnp.zeros(taps.shape, taps.dtype))
-            for i, verify in enumerate(verifiers):
-                out = _when(s.choice == i, lambda o, verify=verify: verify(s, o[2], accept_rng), out)
-            n, nxt, cache, taps = out
-        drafts = jnp.asarray(choices, jnp.int32)[s.choice]
-        n = jnp.where(active, n, 0)
-        tokens, num, done, cache = emit(s, cache, n, nxt)
-        stats = _counted(s.stats, s, active, n, drafts)
-        inputs = decoding_inputs(drafter, embedding_matrix(bundle.target_params), nxt, cache, taps, start)
+    def in_plain_run(operand):
+        """The rest of a step of a run of certain plain steps: only what plain decoding does plus the taps (no
+        drafter, no policy arithmetic). Sequences that finish during the run are remembered together at its end
+        (their estimates do not change once done)."""
+        (s, cache, context, run), (step, _) = operand
+        taps, start, running = step["taps"], step["start"], step["active"]
+        pending = None if s.pending is None else _pended(s.pending, taps, running)
+        seed = seed_hidden_at(taps, cache.lengths[:, None], start)[:, 0]
+        run = run._replace(left=run.left - 1, steps=run.steps + running)
+        over = (run.left == 0) | jnp.all(s.done)
+        ended = remember(idled(s.policy, run.steps), run.active & s.done)
+        estimates = jax.tree.map(lambda e, p: jnp.where(over, e, p), ended, s.policy)
+        s = s._replace(seed=seed, pending=pending, policy=estimates)
+        return (s, cache, context, run._replace(left=jnp.where(over, 0, run.left))), operand[1]
+
+    def after_verify(operand):
+        """The rest of a step outside such runs: the policy's observation and decisions, then drafting the next
+        block when it wants one (always, without a policy)."""
+        (s, cache, context, _), (step, draft_rng) = operand
+        taps, start, active, n, drafts = step["taps"], step["start"], step["active"], step["n"], step["drafts"]
+        inputs = decoding_inputs(drafter, embedding_matrix(bundle.target_params), s.anchor, cache, taps, start)
         seed = inputs.seed_hidden[:, 0]
         pending = s.pending
         if pending is not None:  # a drafting step injects the rows plain steps left pending, then its own
@@ -468,8 +465,8 @@ def spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sam
             draft_tokens, probs, confidence, context = draft(*operands, context)
             estimates, choice = None, s.choice
         else:
-            estimates = remember(observe(s.policy, policy, s.confidence, drafts, n, active), active & done)
-            drafting = wants_draft(estimates, policy, ~done)
+            estimates = remember(observe(s.policy, policy, s.confidence, drafts, n, active), active & s.done)
+            drafting = wants_draft(estimates, policy, ~s.done)
             kept = (s.draft, s.draft_probs, jnp.zeros_like(s.confidence), context, operands)
             draft_tokens, probs, confidence, context, (inputs, _) = _when(drafting, draft_carried, kept)
             cache = inputs.target_cache
@@ -477,33 +474,44 @@ def spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sam
                 pending, context = _after_plain_or_draft(
                     bundle, pending, context, taps, active, drafting, cache.lengths
                 )
-            choice = jnp.where(drafting, step_choice(estimates, policy, confidence, ~done), 0)
+            choice = jnp.where(drafting, step_choice(estimates, policy, confidence, ~s.done), 0)
             estimates = estimates._replace(drafted=jnp.broadcast_to(drafting, (batch,)))
-        state = SpecState(
-            s.step + 1,
-            tokens,
-            num,
-            done,
-            nxt,
-            draft_tokens,
-            probs,
-            confidence,
-            choice,
-            seed,
-            stats,
-            estimates,
-            pending,
-            rng,
+        s = s._replace(
+            draft=draft_tokens,
+            draft_probs=probs,
+            confidence=confidence,
+            choice=choice,
+            seed=seed,
+            policy=estimates,
+            pending=pending,
         )
-        return state, cache, context
+        return (s, cache, context, None if policy is None else new_run(s)), operand[1]
 
-    def plain_first(carry):
-        """With a policy: the plain steps certain to come in their cheap form, then one full step if any is left."""
-        last = plain_run_length(carry[0])
-        carry = _when(last > 0, lambda c: plain_run(c, last), carry)
-        return _when(cond(carry), body, carry)
+    def body(carry):
+        """One step: verify the chosen width (one site per width, plain steps of runs included), emit, then either
+        a plain run's bookkeeping or the policy and drafting (`in_plain_run`, `after_verify`)."""
+        s, cache, context, run = carry
+        accept_rng, draft_rng, rng = jax.random.split(s.rng, 3)
+        active = ~s.done
+        start = cache.lengths
+        n, nxt, cache, taps = verify_chosen(s, cache, accept_rng)
+        drafts = jnp.asarray(choices, jnp.int32)[s.choice]
+        n = jnp.where(active, n, 0)
+        tokens, num, done, cache = emit(s, cache, n, nxt)
+        stats = _counted(s.stats, s, active, n, drafts)
+        s = s._replace(step=s.step + 1, tokens=tokens, num=num, done=done, anchor=nxt, stats=stats, rng=rng)
+        # The step's values go through the `_when` loops' carries: as loop invariants XLA could hoist their users.
+        step = dict(taps=taps, start=start, active=active, n=n, drafts=drafts)
+        operand = ((s, cache, context, run), (step, draft_rng))
+        if policy is None:
+            return after_verify(operand)[0]
+        in_run = run.left > 0
+        operand = _when(in_run, in_plain_run, operand)
+        return _when(~in_run, after_verify, operand)[0]
 
-    return jax.lax.while_loop(cond, body if policy is None else plain_first, (state, cache, context))
+    run = None if policy is None else new_run(state)
+    state, cache, context, _ = jax.lax.while_loop(cond, body, (state, cache, context, run))
+    return state, cache, context
 
 
 @_engine_jit
