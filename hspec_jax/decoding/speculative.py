@@ -17,8 +17,8 @@ the step after, unless its policy decides to draft: step 4 is then skipped; DFla
 and inject the pending rows with the next drafting step's, or on their own every `PENDING_ROWS` plain steps). Plain
 steps that are certain to come (no sequence wants a block, no probe is due) form a run whose steps do only what plain
 decoding does plus the taps: a plain step costs about a plain decoding step. Every width is verified at one place in
-the loop, plain steps of runs included, so the compiled loop holds one target forward per choice. Without a policy, every step
-verifies the drafter's k.
+the loop, plain steps of runs included, so the compiled loop holds one target forward per choice. Without a policy,
+every step verifies the drafter's k.
 
 Sequences stop at EOS, `max_new_tokens`, or when the cache has no room for another block of k+1 rows.
 `spec_decode` runs the loop to the end; `spec_decode_chunk` runs a few steps of it, for streaming.
