@@ -64,11 +64,12 @@ import jax
 import jax.numpy as jnp
 
 # The draft lengths below the drafter's k that `AdaptivePolicy.for_drafts` compiles, per platform. Every choice is a
-# target forward in the compiled loop and a column of the cost table measured at first use. On CPU a verification
-# of 2 to 5 rows costs what 8 rows almost do (one of SmolLM2's products: 1 row 110 us, 2 rows 210, 4 rows 177,
-# 8 rows 216, benchmarks/results/matmul_rows.md), so a draft of 1 or 2 never yields more per unit of time than one
-# of 4, and those branches only cost compiling and measuring (benchmarks/results/draft_choices.md). Accelerators
-# keep the short drafts: at large batches a verification's cost grows with its rows there.
+# target forward in the compiled loop and a column of the cost table measured at first use. On CPU a drafting step
+# costs about 2 plain steps or more whatever its width (drafter call, then 2 to 8 rows that cost a product about what
+# 8 rows do: benchmarks/results/matmul_rows.md), so a draft of 1 (at most 2 tokens) or 2 (at most 3) almost never
+# pays where plain steps do, and those branches cost compiling and measuring (benchmarks/results/draft_choices.md);
+# what is lost is a cheaper probe (a probe verifies the smallest k > 0). Accelerators keep the short drafts: a
+# verification's cost grows with its rows there only at large batches, where they can pay.
 SHORT_DRAFTS = {"cpu": (4,), "default": (1, 2, 4)}
 
 
