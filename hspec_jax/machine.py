@@ -10,16 +10,21 @@ import jax
 import jax.numpy as jnp
 
 
-def cpu_model() -> str:
-    """The CPU model name from /proc/cpuinfo (the platform's processor string where there is none)."""
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU model name from /proc/cpuinfo with its widest x86 vector extension, e.g. "AMD EPYC (AVX2)": virtual
+    machines often name only the vendor line, and the same name covers processors whose multi-row products, hence
+    a drafting step's cost over a plain step's, differ by half (benchmarks/results/draft_choices.md). The platform's
+    processor string where there is no `cpuinfo` file."""
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+        with open(cpuinfo) as f:
+            lines = f.read().splitlines()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
+    field = lambda key: next((ln.split(":", 1)[1].strip() for ln in lines if ln.split(":", 1)[0].strip() == key), "")
+    name, flags = field("model name"), set(field("flags").split())
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+    name = name or platform.processor() or platform.machine()
+    return f"{name} ({vector})" if vector else name
 
 
 def read_bandwidth_gbs(repeats: int = 20) -> float:
