@@ -32,8 +32,10 @@ from hspec_jax.decoding.policy import (
     init_policy,
     observe,
     pinned_costs,
+    probing,
     remember,
     step_choice,
+    steps_to_probe,
     wants_draft,
 )
 from hspec_jax.decoding.speculative import (
@@ -148,6 +150,21 @@ def test_failed_probes_wait_longer_and_a_paying_draft_resets_the_wait():
     assert int(state.wait[0]) == POLICY.probe_every
     with pytest.raises(ValueError, match="probe_every <= probe_max"):
         AdaptivePolicy(probe_every=64, probe_max=32)
+
+
+def test_probes_wait_longer_where_a_probe_costs_more_than_two_plain_steps():
+    """The wait for a probe scales with what a probe costs beyond its one sure token, T(smallest k) - 1 plain steps,
+    where that exceeds one; a batch of B waits B times as long; a table pinned for measuring stays in range."""
+    policy = AdaptivePolicy(choices=(0, 4, 7))
+    prior = Prior(jnp.zeros(7), jnp.float32(0.0), jnp.int32(policy.probe_every))
+    for costs, batch, expected in [((1.0, 2.9, 3.0), 1, 61), ((1.0, 1.8, 2.0), 1, 32), ((1.0, 2.9, 3.0), 2, 122)]:
+        state = init_policy(policy, batch, jnp.array(costs), prior)
+        np.testing.assert_array_equal(steps_to_probe(state), expected)
+        state = state._replace(idle=jnp.full(batch, expected - 1, jnp.int32))
+        assert not bool(probing(state).any())
+        assert bool(probing(state._replace(idle=state.idle + 1)).all())
+    pinned = init_policy(policy, 4, pinned_costs(policy, 0), prior._replace(wait=jnp.int32(policy.probe_max)))
+    assert int(steps_to_probe(pinned)[0]) == policy.probe_max * 4 * 1024
 
 
 def test_a_new_sequence_starts_from_what_finished_ones_learnt():

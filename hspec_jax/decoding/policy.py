@@ -28,7 +28,8 @@ Two decisions per step, both per sequence:
    of the best yield / cost (a probe at least the smallest k > 0).
 
 An uncalibrated or untrained drafter (high c_i, nothing accepted) thus drives A / P and A_1 / R_1 towards 0
-within a few steps and falls back to plain decoding, probing once every `probe_every` steps.
+within a few steps and falls back to plain decoding, probing once every `probe_every` steps (more where a probe costs
+more than two plain steps: `steps_to_probe`).
 
 Probes back off: a probe after which the history still says drafting does not pay (nothing accepted, or too little
 for the cost table) doubles the plain steps before the next one (up to `probe_max`); a verification after which
@@ -185,8 +186,12 @@ def calibrated_acceptance(state: PolicyState, confidence: jax.Array) -> jax.Arra
 def steps_to_probe(state: PolicyState) -> jax.Array:
     """`[B]` plain steps left before each sequence's probe is due. The wait is multiplied by the batch size B (a
     server's slots): a probe widens the whole batch's verification, so a batch probes about as often as one sequence
-    alone; B, not the number still active, so that a sequence finishing never brings another's probe forward."""
-    return state.wait * state.wait.shape[0] - state.idle
+    alone; B, not the number still active, so that a sequence finishing never brings another's probe forward. And
+    by what a probe costs beyond the token it surely yields, T(smallest k > 0) - 1 plain steps, where that is more
+    than one: probes then take about the same share of the time on every machine (on a CPU where a drafting step
+    costs 2.9 plain steps, the first probe comes after 61 plain steps instead of 32)."""
+    extra = jnp.clip(state.costs[1] - 1.0, 1.0, 1024.0)  # bounded: a table pinned for measuring holds 1e6
+    return jnp.ceil(state.wait * state.wait.shape[0] * extra).astype(jnp.int32) - state.idle
 
 
 def probing(state: PolicyState) -> jax.Array:
