@@ -167,7 +167,6 @@ class PlainRun(NamedTuple):
 
     left: jax.Array  # [] plain steps left in the run
     active: jax.Array  # [B] the sequences active when it began
-    steps: jax.Array  # [B] plain steps each took in it so far
 
 
 class SpecState(NamedTuple):
@@ -413,7 +412,7 @@ def spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sam
         return jnp.where(undrafted, jnp.maximum(last, 0), 0)
 
     def new_run(s):
-        return PlainRun(plain_run_length(s), ~s.done, jnp.zeros((batch,), jnp.int32))
+        return PlainRun(plain_run_length(s), ~s.done)
 
     def verify_chosen(s, cache, rng):
         """The chosen width's verification -> (n, next token, cache, taps): with a policy, one target forward per
@@ -443,12 +442,12 @@ def spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sam
         taps, start, running = step["taps"], step["start"], step["active"]
         pending = None if s.pending is None else _pended(s.pending, taps, running)
         seed = seed_hidden_at(taps, cache.lengths[:, None], start)[:, 0]
-        run = run._replace(left=run.left - 1, steps=run.steps + running)
-        over = (run.left == 0) | jnp.all(s.done)
-        ended = remember(idled(s.policy, run.steps), run.active & s.done)
-        estimates = jax.tree.map(lambda e, p: jnp.where(over, e, p), ended, s.policy)
+        left = run.left - 1
+        over = (left == 0) | jnp.all(s.done)
+        idle = idled(s.policy, running)
+        estimates = jax.tree.map(lambda e, p: jnp.where(over, e, p), remember(idle, run.active & s.done), idle)
         s = s._replace(seed=seed, pending=pending, policy=estimates)
-        return (s, cache, context, run._replace(left=jnp.where(over, 0, run.left))), operand[1]
+        return (s, cache, context, run._replace(left=jnp.where(over, 0, left))), operand[1]
 
     def after_verify(operand):
         """The rest of a step outside such runs: the policy's observation and decisions, then drafting the next
