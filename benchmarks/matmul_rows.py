@@ -1,5 +1,6 @@
 """What verifying 8 tokens costs the CPU's matrix products: one [M, 576] x [576, 1536] product (SmolLM2's MLP up
-projection) at M = 1, 2, 4, 8, 16 rows, through XLA (fp32 and bf16) and through PyTorch (fp32, oneDNN).
+projection) at M = 1, 2, 4, 8, 16 rows, through XLA (fp32 and bf16), PyTorch (fp32, oneDNN) and the project's
+packed kernel (`hspec_jax.kernels.cpu_matmul`, where it runs).
 
     python -m benchmarks.matmul_rows [--chain 20] [--repeats 30]
 
@@ -20,23 +21,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import median_time, write_report
+from hspec_jax.kernels import cpu_matmul
 from hspec_jax.machine import cpu_model
 
 ROWS = (1, 2, 4, 8, 16)
 K, N = 576, 1536
 
 
-def xla_product_time(rows: int, dtype, chain: int, repeats: int) -> float:
-    """Seconds per [rows, K] x [K, N] product in one jitted chain, accumulated in fp32."""
+def xla_product_time(rows: int, dtype, chain: int, repeats: int, packed: bool = False) -> float:
+    """Seconds per [rows, K] x [K, N] product in one jitted chain, accumulated in fp32 (`packed`: the weights
+    packed, each product on the packed kernel)."""
     rng = np.random.default_rng(0)
     weights = [jnp.asarray(rng.standard_normal((K, N)) * 0.02, dtype) for _ in range(chain)]
+    if packed:
+        weights = [cpu_matmul.pack(w) for w in weights]
     x = jnp.asarray(rng.standard_normal((rows, K)), dtype)
+    product = cpu_matmul.packed_matmul if packed else lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)
 
     @jax.jit
     def products(x, weights):
         acc = jnp.zeros((rows, N), jnp.float32)
         for w in weights:
-            acc = acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
+            acc = acc + product(x, w)
         return acc
 
     def call():
@@ -76,6 +82,10 @@ def main(argv=None) -> None:
         "XLA bf16": {m: xla_product_time(m, jnp.bfloat16, args.chain, args.repeats) for m in ROWS},
         "PyTorch fp32": {m: torch_product_time(m, args.chain, args.repeats) for m in ROWS},
     }
+    if cpu_matmul.available():
+        series["packed kernel fp32"] = {
+            m: xla_product_time(m, jnp.float32, args.chain, args.repeats, True) for m in ROWS
+        }
     flops = {m: 2 * m * K * N for m in ROWS}
     header = "| back end | " + " | ".join(f"{m} rows µs" for m in ROWS) + " | 8 rows / 1 row | GFLOP/s at 8 rows |"
     lines = [

@@ -10,20 +10,37 @@ import jax
 import jax.numpy as jnp
 
 
+def _cpuinfo_fields(cpuinfo: str) -> dict | None:
+    """The first processor's `key: value` lines of a /proc/cpuinfo file, or None where there is none."""
+    try:
+        with open(cpuinfo) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    fields = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The x86 feature flags of /proc/cpuinfo (`avx2`, `fma`, `avx512f`, ...); empty where there is no such file."""
+    fields = _cpuinfo_fields(cpuinfo)
+    return frozenset(fields.get("flags", "").split()) if fields else frozenset()
+
+
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The CPU model name from /proc/cpuinfo with its widest x86 vector extension, e.g. "AMD EPYC (AVX2)": virtual
     machines often name only the vendor line, and the same name covers processors whose multi-row products, hence
     a drafting step's cost over a plain step's, differ by half (benchmarks/results/draft_choices.md). The platform's
     processor string where there is no `cpuinfo` file."""
-    try:
-        with open(cpuinfo) as f:
-            lines = f.read().splitlines()
-    except OSError:
+    fields = _cpuinfo_fields(cpuinfo)
+    if fields is None:
         return platform.processor() or platform.machine()
-    field = lambda key: next((ln.split(":", 1)[1].strip() for ln in lines if ln.split(":", 1)[0].strip() == key), "")
-    name, flags = field("model name"), set(field("flags").split())
+    flags = cpu_flags(cpuinfo)
     vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
-    name = name or platform.processor() or platform.machine()
+    name = fields.get("model name", "") or platform.processor() or platform.machine()
     return f"{name} ({vector})" if vector else name
 
 

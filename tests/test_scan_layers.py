@@ -94,13 +94,13 @@ def test_one_layer_is_traced_whatever_the_depth():
 
 def test_placement_on_cpu_gives_one_tree_per_layer_once():
     params = init_params(TARGET, jax.random.key(0))
-    placed = for_backend(params)
+    placed = for_backend(params, pack=False)  # packing: tests/test_packed_matmul.py
     assert stacked_layers(params["layers"]) and isinstance(placed["layers"], tuple)
     assert len(placed["layers"]) == TARGET.num_layers
     np.testing.assert_array_equal(
         placed["layers"][2]["mlp"]["down_proj"]["kernel"], params["layers"]["mlp"]["down_proj"]["kernel"][2]
     )
-    again = for_backend(placed)
+    again = for_backend(placed, pack=False)
     assert all(x is y for x, y in zip(jax.tree.leaves(again), jax.tree.leaves(placed), strict=True))
     for i in (0, 3):
         close(

@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from hspec_jax.kernels import cpu_matmul
 from hspec_jax.models.layers import INIT_STD, RMSNorm
 
 
@@ -22,6 +23,8 @@ def draft_logits(module: nn.Module, config, h: jax.Array) -> tuple[jax.Array, ja
     """Final RMSNorm and the frozen draft lm_head `[Vd, D]`, created in `module`'s (compact) scope."""
     target = config.target
     hidden = RMSNorm(target.rms_norm_eps, config.storage_dtype, name="norm")(h)
+    if module.has_variable("params", "packed_lm_head"):  # placed for the packed CPU kernel (`for_backend`)
+        return hidden, cpu_matmul.packed_matmul(hidden, module.get_variable("params", "packed_lm_head"))
     lm_head = module.param(
         "lm_head", nn.initializers.normal(INIT_STD), (config.vocab_size, target.hidden_size), config.storage_dtype
     )

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hspec_jax.kernels import cpu_matmul
 from hspec_jax.models.blocked_attention import blocked_attention
 from hspec_jax.models.config import TargetConfig
 from hspec_jax.models.kv_cache import KVCache, init_cache, layer_view, put_layer
@@ -87,11 +88,7 @@ class AttentionProjections(nn.Module):
     def key_value(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x `[B, T, D]`, positions `[B, T]` -> k, v `[B, T, K, H]`; k normed (Qwen3) and rotated, as cached."""
         if self.fused:  # only the k/v columns of the fused kernel
-            kernel = self.qkv_proj.variables["params"]["kernel"][:, self.splits[0] :]
-            kv = jnp.einsum("btd,df->btf", x.astype(self.config.dtype), kernel.astype(self.config.dtype))
-            if self.config.qkv_bias:
-                kv = kv + self.qkv_proj.variables["params"]["bias"][self.splits[0] :].astype(kv.dtype)
-            k, v = jnp.split(kv, 2, axis=-1)
+            k, v = jnp.split(self.qkv_proj.columns(x, self.splits[0]), 2, axis=-1)
         else:
             k, v = self.k_proj(x), self.v_proj(x)
         return self._key_value(k, v, positions)
@@ -337,8 +334,10 @@ def output_logits(params: dict, config: TargetConfig, hidden: jax.Array, vocab_i
     """The target's last step outside the module: final norm and lm_head of pre-norm hidden states `[..., D]`
     (tap L) -> fp32 logits `[..., V]`, or `[..., len(vocab_ids)]` over the chosen vocabulary rows only (the
     draft vocabulary in training: a full `[..., V]` never exists)."""
+    normed = rms_norm(hidden.astype(config.dtype), params["norm"]["scale"], config.rms_norm_eps)
+    if vocab_ids is None and "packed_lm_head" in params:  # placed for the packed CPU kernel (`for_backend`)
+        return cpu_matmul.packed_matmul(normed, params["packed_lm_head"])
     head = lm_head_matrix(params, config)
     if vocab_ids is not None:
         head = head[vocab_ids]
-    normed = rms_norm(hidden.astype(config.dtype), params["norm"]["scale"], config.rms_norm_eps)
     return jnp.einsum("...d,vd->...v", normed, head.astype(config.dtype), preferred_element_type=jnp.float32)

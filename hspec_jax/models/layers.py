@@ -12,22 +12,52 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from hspec_jax.kernels import cpu_matmul
+
 # Large finite negative number for masked scores: a fully masked row gives a uniform (finite) softmax
 # instead of NaN, and its output is never used.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 INIT_STD = 0.02
 
 
-def dense(features: int, name: str | None = None, *, bias: bool = False, dtype: Any, param_dtype: Any) -> nn.Dense:
+def dense(features: int, name: str | None = None, *, bias: bool = False, dtype: Any, param_dtype: Any) -> Linear:
     """A linear layer with kernel `[in, out]`, HF-style N(0, 0.02) init and zero bias (name: None in setup)."""
-    return nn.Dense(
-        features,
-        use_bias=bias,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        kernel_init=nn.initializers.normal(INIT_STD),
-        name=name,
-    )
+    return Linear(features, bias, dtype, param_dtype, name=name)
+
+
+class Linear(nn.Module):
+    """`x @ kernel + bias`, kernel `[in, out]` (flax's `nn.Dense` layout and numbers). Where `for_backend` packed
+    the kernel (`packed_kernel [out / 16, in, 16]`, see `hspec_jax.kernels.cpu_matmul`), the product runs on the
+    packed CPU kernel instead."""
+
+    features: int
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.columns(x, 0)
+
+    @nn.compact
+    def columns(self, x: jax.Array, start: int) -> jax.Array:
+        """Output columns `start ..` only: `[..., in] -> [..., out - start]` (the k/v part of a fused q/k/v)."""
+        if self.has_variable("params", "packed_kernel"):
+            packed = self.get_variable("params", "packed_kernel")
+            if start % cpu_matmul.COLUMNS == 0:
+                y = cpu_matmul.packed_matmul(x, packed[start // cpu_matmul.COLUMNS :])
+            else:
+                y = cpu_matmul.packed_matmul(x, packed)[..., start:]
+            y = y.astype(self.dtype)
+        else:
+            kernel = self.param(
+                "kernel", nn.initializers.normal(INIT_STD), (x.shape[-1], self.features), self.param_dtype
+            )
+            x, kernel = x.astype(self.dtype), kernel[:, start:].astype(self.dtype)
+            y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        if self.use_bias:
+            bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
+            y = y + bias[start:].astype(self.dtype)
+        return y
 
 
 class RMSNorm(nn.Module):
@@ -93,13 +123,45 @@ def fuse_projections(params: dict) -> dict:
     return out
 
 
-def for_backend(params: dict) -> dict:
+# Modules whose params hold a 2-D "kernel" that is not a linear layer's (`DepthwiseConv`: a `[width, C]` filter).
+NOT_LINEAR = frozenset({"conv1d"})
+
+
+def pack_linear_layers(params: dict) -> dict:
+    """The same model with every fp32 linear layer's kernel packed for the CPU kernel (`hspec_jax.kernels.cpu_matmul`):
+    `{"kernel" [K, N]}` becomes `{"packed_kernel" [N / 16, K, 16]}` where N is a multiple of 16, and the output
+    projection gets a packed copy, `packed_lm_head` (a top-level `lm_head [V, D]` is replaced by it; a tied
+    embedding stays for the token lookup, so a tied model holds its table twice). New arrays; the input tree is
+    left as it is."""
+    return _pack(params, top=True)
+
+
+def _pack(tree, top: bool = False):
+    if isinstance(tree, tuple):
+        return tuple(_pack(value) for value in tree)
+    if not isinstance(tree, dict):
+        return tree
+    out = {name: value if name in NOT_LINEAR else _pack(value) for name, value in tree.items()}
+    kernel = out.get("kernel")
+    if kernel is not None and set(out) <= {"kernel", "bias"} and cpu_matmul.packable(kernel):
+        out["packed_kernel"] = cpu_matmul.pack(out.pop("kernel"))
+    if top and "packed_lm_head" not in out:
+        head = out["lm_head"] if "lm_head" in out else out.get("embed_tokens", {}).get("embedding")
+        if head is not None and cpu_matmul.packable(head.T):
+            out.pop("lm_head", None)
+            out["packed_lm_head"] = cpu_matmul.pack_rows(head)
+    return out
+
+
+def for_backend(params: dict, pack: bool | None = None) -> dict:
     """Params as the engines run them on a single device of the current backend: on CPU and GPU fused
     projections (`fuse_projections`) and, where the decoder does not scan (`scan_layers_default`), the stacked
     layers split into one tree per layer (`unstack_layers`: a per-layer program on slices of the stack compiles
     9x longer on GPU, 33 s for Llama-3.1-8B on an H200, benchmarks/results/scan_layers_h200_llama8b.md);
-    unchanged on TPU (and sharded runs keep the checkpoint's layout). Idempotent: a placed tree comes back with
-    the same arrays."""
+    unchanged on TPU (and sharded runs keep the checkpoint's layout). On CPU, where the packed matmul kernel runs
+    (`pack`: None = `cpu_matmul.available()`), the linear layers packed for it (`pack_linear_layers`): a forward over
+    8 tokens then costs about 1.5x one over a single token instead of 2.4x (benchmarks/results/packed_matmul.md).
+    Idempotent: a placed tree comes back with the same arrays."""
     if jax.default_backend() not in ("cpu", "gpu"):
         return params
     from hspec_jax.models.config import scan_layers_default
@@ -109,7 +171,9 @@ def for_backend(params: dict) -> dict:
     layers = params.get("layers")
     if layers is not None and stacked_layers(layers) and not scan_layers_default():
         params = {**params, "layers": unstack_layers(layers, len(jax.tree.leaves(layers)[0]))}
-    return params
+    if pack is None:
+        pack = jax.default_backend() == "cpu" and cpu_matmul.available()
+    return pack_linear_layers(params) if pack else params
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

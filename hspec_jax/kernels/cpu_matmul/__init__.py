@@ -1,0 +1,78 @@
+"""Linear layers over packed fp32 weights on x86 CPUs: an 8-row product at about the cost of a 1-row one.
+
+XLA's CPU dots cost about twice as much for 8 rows as for 1 (benchmarks/results/matmul_rows.md), which made
+verifying a block of drafted tokens cost 2.4x a plain decoding step. The native kernel (`packed_matmul.cc`, AVX2
+and FMA, an XLA FFI call) reads each weight block once for all rows, so a SmolLM2 forward over 8 tokens costs
+about 1.5x one over a single token (benchmarks/results/packed_matmul.md).
+
+Modules:
+* `reference`: the packed layout (`pack`, `pack_rows`, `unpack`) and the `jnp` definition of the product.
+* `native`: building, loading and registering the C++ kernel (once per machine, in the user cache).
+
+Entry points: `available()` says whether the kernel runs here; `packed_matmul(x, packed)` multiplies, with the
+kernel where it runs and the reference elsewhere. `hspec_jax.models.layers.for_backend` packs a model's linear
+layers on CPU where the kernel is available.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from hspec_jax.kernels.cpu_matmul import native
+from hspec_jax.kernels.cpu_matmul.reference import (
+    COLUMNS,
+    pack,
+    pack_rows,
+    packable,
+    packed_matmul_reference,
+    unpack,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "COLUMNS",
+    "available",
+    "pack",
+    "pack_rows",
+    "packable",
+    "packed_matmul",
+    "packed_matmul_reference",
+    "unpack",
+]
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the native kernel runs in this process (built and registered on first call); says why once where
+    it does not."""
+    reason = native.unavailable_reason()
+    if reason is None:
+        try:
+            native.load()
+        except RuntimeError as error:
+            reason = str(error)
+    if reason is not None:
+        log.info("linear layers keep XLA's dots: the packed CPU matmul kernel is unavailable (%s)", reason)
+    return reason is None
+
+
+def packed_matmul(x: jax.Array, packed: jax.Array, impl: str | None = None) -> jax.Array:
+    """`x [..., K]` (fp32) times the packed kernel `[N / 16, K, 16]` -> fp32 `[..., N]`. `impl`: "native" (the C++
+    kernel), "reference" (`jnp`), or None: native where `available()`, else the reference."""
+    impl = impl or ("native" if available() else "reference")
+    if impl == "reference":
+        return packed_matmul_reference(x, packed)
+    if impl != "native":
+        raise ValueError(f"impl must be 'native', 'reference' or None, got {impl!r}")
+    native.load()
+    k, n = packed.shape[1], packed.shape[0] * COLUMNS
+    rows = x.reshape(-1, k).astype(jnp.float32)
+    call = jax.ffi.ffi_call(
+        native.TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32), vmap_method="sequential"
+    )
+    return call(rows, packed).reshape(*x.shape[:-1], n)

@@ -1,0 +1,127 @@
+// y[M, N] = x[M, K] @ W[K, N] in fp32 on x86 CPUs with AVX2 and FMA, for W packed as [N / 16, K, 16]
+// (reference.py: `pack`): each 16-column block of W is one contiguous stream of K rows of 16 floats.
+//
+// Why: XLA's CPU dots cost about 2x one row when they multiply 8 rows by the same weights
+// (benchmarks/results/matmul_rows.md), so verifying 8 drafted tokens costs 2.4x a single-token step. Here every
+// weight block is read from memory once and used for all rows while it is in L1, so up to ~8 rows cost about
+// what one row costs (the weights' read), and the fp32 FMAs of the other rows hide behind it.
+//
+// Each output element is one FMA chain over k = 0..K-1 in order, whatever M is: a row's result does not depend
+// on how many other rows are multiplied with it (unlike XLA's dots, which pick their kernels by shape).
+//
+// The 16-column blocks are shared between the calling thread and XLA's intra-op thread pool.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using Rows = ffi::Buffer<ffi::F32, 2>;
+using Packed = ffi::Buffer<ffi::F32, 3>;
+
+constexpr int64_t kColumns = 16;  // one block: two 8-float AVX registers per row
+constexpr int64_t kRows = 4;      // rows per pass over a block: 4 x 2 accumulators, 2 weight registers
+
+// Columns [n, n + 16) of y for all M rows, from the block `w [K, 16]`.
+void MultiplyBlock(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n) {
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+    const int64_t rows = std::min(kRows, M - m0);
+    // Rows past the end repeat the last row (their sums are computed and not stored).
+    const float* x0 = x + m0 * K;
+    const float* x1 = x0 + std::min<int64_t>(1, rows - 1) * K;
+    const float* x2 = x0 + std::min<int64_t>(2, rows - 1) * K;
+    const float* x3 = x0 + std::min<int64_t>(3, rows - 1) * K;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0;
+    const float* wk = w;
+    for (int64_t k = 0; k < K; ++k, wk += kColumns) {
+      const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+      __m256 s = _mm256_broadcast_ss(x0 + k);
+      a0 = _mm256_fmadd_ps(s, w0, a0);
+      a1 = _mm256_fmadd_ps(s, w1, a1);
+      s = _mm256_broadcast_ss(x1 + k);
+      b0 = _mm256_fmadd_ps(s, w0, b0);
+      b1 = _mm256_fmadd_ps(s, w1, b1);
+      s = _mm256_broadcast_ss(x2 + k);
+      c0 = _mm256_fmadd_ps(s, w0, c0);
+      c1 = _mm256_fmadd_ps(s, w1, c1);
+      s = _mm256_broadcast_ss(x3 + k);
+      d0 = _mm256_fmadd_ps(s, w0, d0);
+      d1 = _mm256_fmadd_ps(s, w1, d1);
+    }
+    float* y0 = y + m0 * N + n;
+    _mm256_storeu_ps(y0, a0);
+    _mm256_storeu_ps(y0 + 8, a1);
+    if (rows > 1) {
+      _mm256_storeu_ps(y0 + N, b0);
+      _mm256_storeu_ps(y0 + N + 8, b1);
+    }
+    if (rows > 2) {
+      _mm256_storeu_ps(y0 + 2 * N, c0);
+      _mm256_storeu_ps(y0 + 2 * N + 8, c1);
+    }
+    if (rows > 3) {
+      _mm256_storeu_ps(y0 + 3 * N, d0);
+      _mm256_storeu_ps(y0 + 3 * N + 8, d1);
+    }
+  }
+}
+
+// The blocks of one call, taken in chunks by whichever threads come: the caller and the pool's helpers. It lives
+// as long as the last helper that holds it (a helper that starts after the call returned finds nothing to do).
+struct Blocks {
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t M, K, N, count, chunk;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Work() {
+    for (;;) {
+      const int64_t first = next.fetch_add(chunk, std::memory_order_relaxed);
+      if (first >= count) return;
+      const int64_t end = std::min(first + chunk, count);
+      for (int64_t b = first; b < end; ++b) MultiplyBlock(x, w + b * K * kColumns, y, M, K, N, b * kColumns);
+      done.fetch_add(end - first, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error PackedMatmul(ffi::ThreadPool pool, Rows x, Packed w, ffi::Result<Rows> y) {
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
+  const int64_t count = w.dimensions()[0];
+  if (w.dimensions()[1] != K || w.dimensions()[2] != kColumns) {
+    return ffi::Error::InvalidArgument("packed_matmul: weights must be [N / 16, K, 16] with K = x.shape[1]");
+  }
+  if (M == 0 || count == 0) return ffi::Error::Success();
+  auto blocks = std::make_shared<Blocks>();
+  blocks->x = x.typed_data();
+  blocks->w = w.typed_data();
+  blocks->y = y->typed_data();
+  blocks->M = M;
+  blocks->K = K;
+  blocks->N = count * kColumns;
+  blocks->count = count;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  blocks->chunk = std::max<int64_t>(1, count / (8 * threads));
+  for (int64_t t = 1; t < threads && t * blocks->chunk < count; ++t) pool.Schedule([blocks] { blocks->Work(); });
+  blocks->Work();
+  while (blocks->done.load(std::memory_order_acquire) < count) _mm_pause();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HspecPackedMatmul, PackedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Rows>()
+                                  .Arg<Packed>()
+                                  .Ret<Rows>());

@@ -1,0 +1,152 @@
+"""The packed CPU matmul kernel (`hspec_jax.kernels.cpu_matmul`): the native kernel against its `jnp` reference, the
+packed layout, its build cache, and models placed with packed linear layers against the same models unpacked."""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hspec_jax.drafters import draft_block, init_drafter, init_from_target
+from hspec_jax.drafters.dflash import drafter_context
+from hspec_jax.drafters.vocab import build_draft_vocab
+from hspec_jax.kernels import cpu_matmul
+from hspec_jax.kernels.cpu_matmul import native
+from hspec_jax.models import commit, forward, init_cache, init_params
+from hspec_jax.models.layers import for_backend, fuse_projections, pack_linear_layers
+from hspec_jax.recipes import drafter_from_recipe, target_config
+
+RECIPE = importlib.import_module("configs.tiny").get_config()
+TARGET = target_config(RECIPE)
+needs_kernel = pytest.mark.skipif(not cpu_matmul.available(), reason=f"{native.unavailable_reason()}")
+
+
+def close(a, b):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_pack_is_the_kernel_in_blocks_of_16_columns():
+    kernel = jnp.arange(6 * 32, dtype=jnp.float32).reshape(6, 32)
+    packed = cpu_matmul.pack(kernel)
+    assert packed.shape == (2, 6, 16)
+    assert jnp.array_equal(packed[1, 4], kernel[4, 16:32])
+    assert jnp.array_equal(cpu_matmul.unpack(packed), kernel)
+    assert jnp.array_equal(cpu_matmul.pack_rows(kernel.T), packed)
+    assert not cpu_matmul.packable(kernel[:, :24]) and not cpu_matmul.packable(kernel.astype(jnp.bfloat16))
+
+
+@needs_kernel
+@pytest.mark.parametrize(("rows", "depth", "columns"), [(1, 64, 16), (3, 7, 48), (8, 576, 960), (37, 100, 4096)])
+def test_native_kernel_matches_the_reference(rows, depth, columns):
+    x = jax.random.normal(jax.random.key(0), (rows, depth))
+    packed = cpu_matmul.pack(jax.random.normal(jax.random.key(1), (depth, columns)))
+    native_out = jax.jit(lambda a, w: cpu_matmul.packed_matmul(a, w, impl="native"))(x, packed)
+    reference = cpu_matmul.packed_matmul(x, packed, impl="reference")
+    np.testing.assert_allclose(np.asarray(native_out), np.asarray(reference), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_a_row_gives_the_same_bits_whatever_rows_come_with_it():
+    """One FMA chain per output element, in k order: a plain step's row equals the same row of an 8-row verify."""
+    x = jax.random.normal(jax.random.key(0), (2, 8, 576))
+    packed = cpu_matmul.pack(jax.random.normal(jax.random.key(1), (576, 1536)))
+    run = jax.jit(lambda a: cpu_matmul.packed_matmul(a, packed))
+    full = np.asarray(run(x))
+    for rows in (1, 3, 5):
+        np.testing.assert_array_equal(np.asarray(run(x[:, :rows])), full[:, :rows])
+    assert np.asarray(run(x[:, :0])).shape == (2, 0, 1536)
+
+
+def test_the_build_is_keyed_by_its_source(tmp_path, monkeypatch):
+    if native.compiler() is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    edited = tmp_path / "packed_matmul.cc"
+    edited.write_text(native.SOURCE.read_text() + "\n// edited\n")
+    before = native.library_path(native.compiler())
+    monkeypatch.setattr(native, "SOURCE", edited)
+    path = native.library_path(native.compiler())
+    assert path != before and path.parent == tmp_path / "hspec_jax" / "kernels"
+    assert native.build(native.compiler()) == path and path.exists()
+    built = path.stat().st_mtime_ns
+    assert native.build(native.compiler()) == path and path.stat().st_mtime_ns == built  # not rebuilt
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+
+
+def test_a_cpu_without_avx2_keeps_xla_dots(monkeypatch):
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"sse2"}))
+    assert native.unavailable_reason() == "the CPU lacks avx2, fma"
+
+
+def test_packing_keeps_every_other_array_and_is_idempotent():
+    params = fuse_projections(init_params(TARGET.replace(tie_word_embeddings=True), jax.random.key(0)))
+    params = {**params, "layers": tuple(jax.tree.map(lambda x, i=i: x[i], params["layers"]) for i in range(2))}
+    packed = pack_linear_layers(params)
+    layer = packed["layers"][1]
+    assert set(layer["mlp"]["down_proj"]) == {"packed_kernel"}
+    assert jnp.array_equal(
+        cpu_matmul.unpack(layer["mlp"]["down_proj"]["packed_kernel"]), params["layers"][1]["mlp"]["down_proj"]["kernel"]
+    )
+    assert layer["input_layernorm"]["scale"] is params["layers"][1]["input_layernorm"]["scale"]
+    embedding = params["embed_tokens"]["embedding"]  # tied: kept for the token lookup, packed as the lm_head
+    assert packed["embed_tokens"]["embedding"] is embedding
+    assert jnp.array_equal(packed["packed_lm_head"], cpu_matmul.pack_rows(embedding))
+    again = pack_linear_layers(packed)
+    assert all(x is y for x, y in zip(jax.tree.leaves(again), jax.tree.leaves(packed), strict=True))
+    assert "kernel" in params["layers"][1]["mlp"]["down_proj"]  # the input tree is unchanged
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_packed_target_forward_matches_unpacked(tied):
+    config = TARGET.replace(qkv_bias=True, tie_word_embeddings=tied)
+    params = fuse_projections(init_params(config, jax.random.key(0)))
+    params = jax.tree_util.tree_map_with_path(lambda path, x: x + 0.1 if path[-1].key == "bias" else x, params)
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 3, config.vocab_size)
+    step = jax.jit(lambda p, t, c: forward(p, config, t, c, taps=(1, 3)))
+    outs = []
+    for p in (params, pack_linear_layers(params)):
+        prefill = step(p, tokens, init_cache(config, 2, 16))
+        cache = commit(prefill.cache, jnp.array([9, 6]))
+        verify = step(p, tokens[:, :4], cache)  # a multi-token step at ragged starts
+        outs.append((prefill.logits, prefill.hidden, verify.logits, verify.cache.k[2], verify.cache.v[5]))
+    jax.tree.map(close, outs[0], outs[1])
+
+
+@pytest.mark.parametrize("kind", ["hspec", "dflash"])
+def test_packed_drafter_matches_unpacked(kind):
+    """H-Spec (Mamba-2 projections packed, its depthwise conv left alone) and DFlash (k/v injection reads the
+    k/v columns of the packed fused kernel)."""
+    params = init_params(TARGET, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (1, 12), 3, TARGET.vocab_size)
+    config = drafter_from_recipe(RECIPE, kind, TARGET)
+    vocab = build_draft_vocab(np.asarray(tokens), TARGET.vocab_size, config.vocab_size, always=(2,))
+    dparams = fuse_projections(init_from_target(init_drafter(config, jax.random.key(2)), config, params, vocab))
+    packed = pack_linear_layers(dparams)
+    assert "packed_lm_head" in packed and "lm_head" not in packed
+    if kind == "hspec":
+        conv = [v for k, v in jax.tree_util.tree_leaves_with_path(packed) if "conv1d" in jax.tree_util.keystr(k)]
+        assert conv and all(x.ndim <= 2 for x in conv)
+    out = forward(params, TARGET, tokens, init_cache(TARGET, 1, 32), config.fusion_layer_ids)
+    cache = commit(out.cache, jnp.array([12]))
+    taps = jnp.concatenate(out.hidden, axis=-1)
+    rows = jnp.arange(12, dtype=jnp.int32)[None]
+    block = jnp.concatenate([tokens[:, -1:], jnp.full((1, config.num_drafts), config.mask_token_id)], 1)
+    kw = dict(
+        target_cache=cache,
+        seed_hidden=taps[:, -1],
+        drafter_cache=drafter_context(config, 1, 32),
+        inject_rows=(taps, rows, rows[:, 0]) if config.owns_kv_cache else None,
+    )
+    embedding = params["embed_tokens"]["embedding"]
+    draft = jax.jit(lambda p: draft_block(p, config, embedding, block, cache.lengths, **kw))
+    unpacked, with_packed = draft(dparams), draft(packed)
+    close(unpacked.logits, with_packed.logits)
+    if config.owns_kv_cache:
+        jax.tree.map(close, unpacked.drafter_cache, with_packed.drafter_cache)
+
+
+@needs_kernel
+def test_cpu_placement_packs_where_the_kernel_runs():
+    placed = for_backend(init_params(TARGET, jax.random.key(0)))
+    assert "packed_kernel" in placed["layers"][0]["mlp"]["gate_up_proj"] and "packed_lm_head" in placed
