@@ -32,13 +32,18 @@ WIDTHS = (1, 2, 4, 5, 8)
 def forward_times(config, trees: dict, context: int, repeats: int) -> tuple[dict, bool]:
     """{(tree name, T): median seconds} of one forward over T tokens after `context` cached rows, and whether
     every tree gave the same greedy tokens."""
-    step = jax.jit(lambda p, t, c: forward(p, config, t, c).logits.argmax(-1), donate_argnums=2)
+
+    def run(p, t, c):
+        out = forward(p, config, t, c)
+        return out.logits.argmax(-1), out.cache
+
+    step = jax.jit(run, donate_argnums=2)
     fresh = lambda: init_cache(config, 1, context + 16).replace(lengths=jnp.array([context], jnp.int32))
     rng = np.random.default_rng(context)
     tokens = {t: jnp.asarray(rng.integers(0, config.vocab_size, (1, t)), jnp.int32) for t in WIDTHS}
     agree = True
     for t in WIDTHS:
-        outs = [np.asarray(step(params, tokens[t], fresh())) for params in trees.values()]
+        outs = [np.asarray(step(params, tokens[t], fresh())[0]) for params in trees.values()]
         agree &= all(np.array_equal(outs[0], o) for o in outs[1:])
     samples = {(name, t): [] for name in trees for t in WIDTHS}
     for _ in range(repeats):
@@ -47,7 +52,7 @@ def forward_times(config, trees: dict, context: int, repeats: int) -> tuple[dict
                 cache = fresh()
                 jax.block_until_ready(cache)
                 start = time.perf_counter()
-                step(params, tokens[t], cache).block_until_ready()
+                jax.block_until_ready(step(params, tokens[t], cache))
                 samples[name, t].append(time.perf_counter() - start)
     return {key: float(np.median(v)) for key, v in samples.items()}, agree
 

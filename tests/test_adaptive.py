@@ -47,6 +47,7 @@ from hspec_jax.decoding.speculative import (
 )
 from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.models import init_cache
+from hspec_jax.models.layers import for_backend, pack_linear_layers
 
 POLICY = AdaptivePolicy(choices=(0, 1, 2, 4, 7))
 CPU_LIKE = jnp.array([1.0, 1.3, 1.45, 1.7, 2.2])  # T(k) / T(0) for k = 0, 1, 2, 4, 7, as on a 2-core CPU
@@ -389,8 +390,18 @@ def test_costs_are_the_median_of_each_rounds_ratios():
 
 
 def test_one_table_serves_every_cache_size_of_a_bucket():
-    shape = lambda capacity: cost_model.engine_shape("t", "d", "s", 1, capacity)
+    shape = lambda capacity: cost_model.engine_shape("t", "d", "s", 1, capacity, ())
     assert shape(80) == shape(100) == shape(128) != shape(129)
+
+
+def test_params_packed_for_the_cpu_kernel_have_their_own_table(target_params):
+    """Packed linear layers run at other speeds than XLA's dots: a table measured on one never serves the other."""
+    shape = lambda params: cost_model.engine_shape("t", "d", "s", 1, 128, params)
+    unpacked, packed = (
+        for_backend(target_params, pack=False),
+        pack_linear_layers(for_backend(target_params, pack=False)),
+    )
+    assert shape(unpacked) == shape(jax.tree.map(lambda x: x + 1, unpacked)) != shape(packed)
 
 
 def test_speculative_generate_measures_costs_when_not_given(tmp_path, monkeypatch, target_params, prompts):

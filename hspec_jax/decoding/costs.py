@@ -47,12 +47,15 @@ def cache_path(shape: dict) -> Path:
     return user_cache_dir("costs") / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 
-def engine_shape(target, drafter, sampling, batch: int, capacity: int) -> dict:
-    """What a step's cost depends on besides the machine: the configs (by digest), batch and cache rows."""
+def engine_shape(target, drafter, sampling, batch: int, capacity: int, params) -> dict:
+    """What a step's cost depends on besides the machine: the configs (by digest), the layout of the placed
+    `params` (their tree's structure: fused, per-layer or packed for the CPU kernel run at different speeds), batch
+    and cache rows."""
     digest = lambda config: hashlib.sha256(repr(config).encode()).hexdigest()[:16]
     return {
         "target": digest(target),
         "drafter": digest(drafter),
+        "layout": digest(jax.tree.structure(params)),
         "sampling": repr(sampling),
         "batch": batch,
         "capacity_bucket": 1 << max(capacity - 1, 1).bit_length(),

@@ -170,7 +170,14 @@ def compile_speculative(
         return pre_c(bundle, *prompts, *caches, key, step_costs, learnt["prior"])
 
     if policy is not None:
-        shape = engine_shape(bundle.target, bundle.drafter, sampling, tokens.shape[0], capacity)
+        shape = engine_shape(
+            bundle.target,
+            bundle.drafter,
+            sampling,
+            tokens.shape[0],
+            capacity,
+            (bundle.target_params, bundle.drafter_params),
+        )
         costs = measure_costs(prefill_with, run_steps, policy, shape)
 
     def start(prompts=None, seed=None):

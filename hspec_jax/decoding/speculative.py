@@ -602,7 +602,14 @@ def adaptive_costs(
     def chunk(carry, steps):
         return spec_decode_chunk(bundle, *carry, steps, **kw)
 
-    shape = cost_model.engine_shape(bundle.target, bundle.drafter, sampling, prompts.shape[0], capacity)
+    shape = cost_model.engine_shape(
+        bundle.target,
+        bundle.drafter,
+        sampling,
+        prompts.shape[0],
+        capacity,
+        (bundle.target_params, bundle.drafter_params),
+    )
     return measure_costs(prefill, chunk, policy, shape)
 
 
