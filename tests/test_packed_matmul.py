@@ -61,17 +61,23 @@ def test_a_row_gives_the_same_bits_whatever_rows_come_with_it():
 def test_the_build_is_keyed_by_its_source(tmp_path, monkeypatch):
     if native.compiler() is None:
         pytest.skip("no C++ compiler")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     edited = tmp_path / "packed_matmul.cc"
     edited.write_text(native.SOURCE.read_text() + "\n// edited\n")
     before = native.library_path(native.compiler())
+    assert before.parent == native.SOURCE.parent / "build" or before.parent.name == "kernels"
     monkeypatch.setattr(native, "SOURCE", edited)
     path = native.library_path(native.compiler())
-    assert path != before and path.parent == tmp_path / "hspec_jax" / "kernels"
+    assert path != before and path.parent == tmp_path / "build"
     assert native.build(native.compiler()) == path and path.exists()
     built = path.stat().st_mtime_ns
     assert native.build(native.compiler()) == path and path.stat().st_mtime_ns == built  # not rebuilt
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+
+
+def test_a_read_only_package_builds_into_the_user_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(native.os, "access", lambda path, mode: False)
+    assert native.library_dir() == tmp_path / "hspec_jax" / "kernels"
 
 
 def test_a_cpu_without_avx2_keeps_xla_dots(monkeypatch):

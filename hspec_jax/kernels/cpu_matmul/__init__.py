@@ -7,7 +7,7 @@ about 1.5x one over a single token (benchmarks/results/packed_matmul.md).
 
 Modules:
 * `reference`: the packed layout (`pack`, `pack_rows`, `unpack`) and the `jnp` definition of the product.
-* `native`: building, loading and registering the C++ kernel (once per machine, in the user cache).
+* `native`: building (once, into `build/` beside the source), loading and registering the C++ kernel.
 
 Entry points: `available()` says whether the kernel runs here; `packed_matmul(x, packed)` multiplies, with the
 kernel where it runs and the reference elsewhere. `hspec_jax.models.layers.for_backend` packs a model's linear

@@ -1,10 +1,12 @@
-"""The native kernel (`packed_matmul.cc`): built once per machine with the system's C++ compiler into the user
-cache, loaded, and registered as the XLA FFI target `hspec_packed_matmul` on the CPU platform.
+"""The native kernel (`packed_matmul.cc`): built once with the system's C++ compiler, as an installed extension
+is, loaded, and registered as the XLA FFI target `hspec_packed_matmul` on the CPU platform.
 
     python -m hspec_jax.kernels.cpu_matmul     # build now (`make` does it at install)
 
-The library's file name carries a hash of everything it is built from (the source, the compiler command, the
-jaxlib version, the machine's architecture), so an edited source or another jaxlib never loads a stale build.
+The library lies in `build/` beside the source (in the user cache, `$XDG_CACHE_HOME/hspec_jax/kernels/`, where the
+package directory is read-only). Its file name carries a hash of everything it is built from (the source, the
+compiler command, the jaxlib version, the machine's architecture), so an edited source or another jaxlib never
+loads a stale build; deleting the directory is always safe.
 """
 
 from __future__ import annotations
@@ -42,14 +44,19 @@ def compiler() -> str | None:
     return None
 
 
+def library_dir() -> Path:
+    """`build/` beside the source, or the user cache where the source's directory is not writable."""
+    return SOURCE.parent / "build" if os.access(SOURCE.parent, os.W_OK) else user_cache_dir("kernels")
+
+
 def library_path(cxx: str) -> Path:
-    """Where the build for this source, compiler command, jaxlib and architecture lives in the user cache."""
+    """Where the build for this source, compiler command, jaxlib and architecture lives."""
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), cxx.encode(), " ".join(FLAGS).encode(), jaxlib.__version__.encode()):
         key.update(part)
         key.update(b"\0")
     key.update(platform.machine().encode())
-    return user_cache_dir("kernels") / f"packed_matmul-{key.hexdigest()[:16]}.so"
+    return library_dir() / f"packed_matmul-{key.hexdigest()[:16]}.so"
 
 
 def build(cxx: str) -> Path:
