@@ -16,6 +16,7 @@ from benchmarks import (
 from benchmarks.spec_overhead import KINDS, isolated_step_times
 from hspec_jax.drafters import init_drafter, init_from_target
 from hspec_jax.drafters.vocab import build_draft_vocab
+from hspec_jax.kernels import cpu_matmul
 from hspec_jax.models import init_params
 from hspec_jax.recipes import drafter_from_recipe, load_config, target_config
 from train.losses import recipe_weights
@@ -41,7 +42,8 @@ def test_matmul_rows_reports_every_back_end(tmp_path):
     out = tmp_path / "matmul_rows.md"
     matmul_rows.main(["--chain", "2", "--repeats", "2", "--out", str(out)])
     table = [line for line in out.read_text().splitlines() if line.startswith("| ") and "µs" not in line]
-    assert [row.split(" | ")[0] for row in table] == ["| XLA fp32", "| XLA bf16", "| PyTorch fp32"]
+    packed = ["| packed kernel fp32"] if cpu_matmul.available() else []
+    assert [row.split(" | ")[0] for row in table] == ["| XLA fp32", "| XLA bf16", "| PyTorch fp32", *packed]
     assert all(float(cell) > 0 for row in table for cell in row.strip(" |").split(" | ")[1:])
 
 

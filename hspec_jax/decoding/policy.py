@@ -65,13 +65,14 @@ import jax
 import jax.numpy as jnp
 
 # The draft lengths below the drafter's k that `AdaptivePolicy.for_drafts` compiles, per platform. Every choice is a
-# target forward in the compiled loop and a column of the cost table measured at first use. On CPU a drafting step
-# costs about 2 plain steps or more whatever its width (drafter call, then 2 to 8 rows that cost a product about what
-# 8 rows do: benchmarks/results/matmul_rows.md), so a draft of 1 (at most 2 tokens) or 2 (at most 3) almost never
-# pays where plain steps do, and those branches cost compiling and measuring (benchmarks/results/draft_choices.md);
-# what is lost is a cheaper probe (a probe verifies the smallest k > 0). Accelerators keep the short drafts: a
-# verification's cost grows with its rows there only at large batches, where they can pay.
-SHORT_DRAFTS = {"cpu": (4,), "default": (1, 2, 4)}
+# target forward in the compiled loop and a column of the cost table measured at first use. On CPU the packed matmul
+# kernel multiplies rows in groups of 4, so verifying 2, 3 or 4 rows costs about what one row does and a draft of 3
+# costs what a draft of 1 or 2 does: T(1), T(2), T(3) were 1.29-1.36 plain steps, T(4) 1.45-1.61 and T(7) 1.62-1.64
+# with the shipped drafter (AMD EPYC, benchmarks/results/packed_matmul.md). Shorter drafts there would only cost
+# compiling and measuring (benchmarks/results/draft_choices.md); with XLA's dots (no kernel) 4 and 5 rows cost the
+# same too. Accelerators keep the short drafts: a verification's cost grows with its rows there only at large
+# batches, where they can pay.
+SHORT_DRAFTS = {"cpu": (3,), "default": (1, 2, 4)}
 
 
 @dataclasses.dataclass(frozen=True)
