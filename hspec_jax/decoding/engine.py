@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import jax
@@ -112,10 +113,14 @@ def compile_autoregressive(
         return place.kv(init_cache(config, tokens.shape[0], capacity))
 
     loop = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
-    pre_c = prefill.lower(params, config, tokens, lengths, fresh_cache(), first_rng, sampling).compile()
-    pre = jax.eval_shape(lambda: prefill(params, config, tokens, lengths, fresh_cache(), first_rng, sampling))
-    state = jax.eval_shape(functools.partial(start_decode, **loop), pre.cache, pre.token, loop_rng)
-    step_c = decode_chunk.lower(params, config, state, pre.cache, jnp.int32(1), sampling=sampling, **loop).compile()
+    with ThreadPoolExecutor(1) as background:
+        pre_c = background.submit(
+            prefill.lower(params, config, tokens, lengths, fresh_cache(), first_rng, sampling).compile
+        )
+        pre = jax.eval_shape(lambda: prefill(params, config, tokens, lengths, fresh_cache(), first_rng, sampling))
+        state = jax.eval_shape(functools.partial(start_decode, **loop), pre.cache, pre.token, loop_rng)
+        step_c = decode_chunk.lower(params, config, state, pre.cache, jnp.int32(1), sampling=sampling, **loop)
+        step_c, pre_c = step_c.compile(), pre_c.result()
 
     def start(prompts=None, seed=None):
         prompts = (tokens, lengths) if prompts is None else place.batch(*prompts)
@@ -158,11 +163,15 @@ def compile_speculative(
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
     costs = None if policy is None else jnp.ones(len(policy.choices), jnp.float32)
     learnt = {"prior": None if policy is None else first_prior(policy)}
-    pre_c = spec_prefill.lower(bundle, tokens, lengths, *fresh_caches(), rng, costs, learnt["prior"], **kw).compile()
-    carry = jax.eval_shape(
-        lambda: spec_prefill(bundle, tokens, lengths, *fresh_caches(), rng, costs, learnt["prior"], **kw)
-    )
-    step_c = spec_decode_chunk.lower(bundle, *carry, jnp.int32(1), **kw).compile()
+    with ThreadPoolExecutor(1) as background:
+        pre_c = background.submit(
+            spec_prefill.lower(bundle, tokens, lengths, *fresh_caches(), rng, costs, learnt["prior"], **kw).compile
+        )
+        carry = jax.eval_shape(
+            lambda: spec_prefill(bundle, tokens, lengths, *fresh_caches(), rng, costs, learnt["prior"], **kw)
+        )
+        step_c = spec_decode_chunk.lower(bundle, *carry, jnp.int32(1), **kw).compile()
+        pre_c = pre_c.result()
     run_steps = lambda carry, steps: step_c(bundle, *carry, jnp.int32(steps))
 
     def prefill_with(step_costs, prompts=(tokens, lengths), key=rng):
