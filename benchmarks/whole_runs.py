@@ -121,6 +121,7 @@ def main(argv=None) -> int:
 
     command = f"python -m benchmarks.whole_runs --drafter {args.drafter} --k {args.k} --rounds {args.rounds} "
     command += f"--repeats {args.repeats} --new-tokens {args.new_tokens} --demo-runs {args.demo_runs}"
+    command += "".join(f" --prompt {shlex.quote(p)}" for p in args.prompt or ())
     lines = [
         "# Whole processes: plain decoding against a drafter, as a user runs them",
         "",

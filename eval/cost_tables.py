@@ -1,7 +1,7 @@
 """Do first-use cost tables agree with a long quiet measurement? Each first use is a whole `eval.generate` process
 with an empty user cache, as a user meets it.
 
-    python -m eval.cost_tables [--repeats 5] [--reference-rounds 15] [--drafter smollm2-hspec]
+    python -m eval.cost_tables [--repeats 5] [--reference-rounds 30] [--drafter smollm2-hspec]
 
 Runs `eval.generate --target smollm2 --drafter ... --k auto --max-new-tokens 8 --repeats 0` `--repeats` times, each
 with a fresh `XDG_CACHE_HOME` (so each measures its table at first use, `hspec_jax/decoding/costs.py`) and one
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
         return child(int(sys.argv[2]), sys.argv[4:])
     parser = argparse.ArgumentParser(prog="python -m eval.cost_tables", description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--reference-rounds", type=int, default=15)
+    parser.add_argument("--reference-rounds", type=int, default=30)
     parser.add_argument("--drafter", default="smollm2-hspec")
     parser.add_argument("--out", default="benchmarks/results/cost_tables.md")
     args = parser.parse_args(argv)

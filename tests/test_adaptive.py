@@ -1,6 +1,8 @@
 """The adaptive draft length (`decoding/policy.py`): the policy's arithmetic, lossless outputs whatever it chooses,
 a fall-back to plain steps for a useless drafter, and drafter state kept exact across plain steps."""
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,6 +42,7 @@ from hspec_jax.decoding.policy import (
 )
 from hspec_jax.decoding.speculative import (
     PENDING_ROWS,
+    measure_costs,
     spec_decode,
     spec_decode_chunk,
     spec_prefill,
@@ -375,6 +378,48 @@ def test_costs_are_measured_once_per_machine_and_shape(tmp_path, monkeypatch):
     monkeypatch.setattr(cost_model, "ROUNDS", 5)  # what eval.cost_tables does for its reference
     cost_model.step_costs({**shape, "batch": 3}, (0, 1, 3), measure)
     assert len(calls) == 18 + 15
+
+
+def test_costs_are_measured_in_one_running_generation(tmp_path, monkeypatch):
+    """Every reading swaps its pinned table into the live loop state (with a fresh idle count, so a plain reading
+    never probes) and takes one untimed step to change width first: one prefill serves every reading until the
+    generation ends, and then a fresh one starts."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    policy = AdaptivePolicy.for_drafts(7, "cpu")
+    steps, readings = cost_model.MEASURED_STEPS, len(policy.choices) * (cost_model.ROUNDS + 1)  # + 1 warm-up each
+
+    def measure(ends_after: int):
+        runs, prefills = [], []
+
+        def prefill(costs):
+            prefills.append(int(jnp.argmin(costs)))
+            return State(jnp.int32(0), jnp.zeros(1, bool), init_policy(policy, 1, costs)), "cache"
+
+        def chunk(carry, n):
+            state, cache = carry
+            assert cache == "cache" and int(state.policy.idle[0]) + n < policy.probe_every  # no probe
+            runs.append((int(jnp.argmin(state.policy.costs)), n))
+            step, idle = state.step + n, state.policy.idle + n  # as if every step were plain
+            state = state._replace(step=step, done=jnp.full(1, int(step) >= ends_after))
+            return state._replace(policy=state.policy._replace(idle=idle)), cache
+
+        measure_costs(prefill, chunk, policy, {"test": ends_after})
+        return runs, prefills
+
+    runs, prefills = measure(10_000)
+    assert prefills == [0]  # round 0 starts at choice 0
+    timed = [choice for choice, n in runs if n == steps]
+    assert len(timed) == readings and [timed.count(c) for c in range(3)] == [cost_model.ROUNDS + 1] * 3
+    assert [n for _, n in runs] == [steps] + [1, steps] * (readings - 1)  # the width changes before each reading
+    assert all(a == b for (a, _), (b, _) in zip(runs[1::2], runs[2::2], strict=True))  # ... to the pinned one
+    runs, prefills = measure(2 * steps + 1)  # ends with every second reading: a fresh prefill before the next one
+    assert len(prefills) == (readings + 1) // 2 and len(runs) == readings + (readings - len(prefills))
+
+
+class State(NamedTuple):
+    step: jax.Array
+    done: jax.Array
+    policy: object
 
 
 def test_costs_are_the_median_of_each_rounds_ratios():

@@ -10,7 +10,11 @@ A table is a measurement: the choices are timed in interleaved rounds (every rou
 rotated), each round gives every choice's time over the plain step's time of the same round, and each choice keeps
 the median of its rounds' ratios. A slow spell of the machine then moves both terms of a ratio, a burst of noise
 (another process, a page-fault storm after compiling) spoils one round's ratio, which the median drops, and the
-estimate does not depend on the number of rounds (a minimum over rounds falls as rounds are added).
+estimate does not depend on the number of rounds (a minimum over rounds falls as rounds are added). The readings are
+short (`MEASURED_STEPS`) and taken in one running generation (`speculative.measure_costs`), so those of a round are
+milliseconds apart: on a 2-core machine whose plain step wandered between 19 and 40 ms from one reading to the
+next, 10 rounds of 4 steps kept 5 of 5 first-use tables within 6% of a 30-round reference, where 5 rounds of 8
+steps, each reading after its own prefill, had one of 5 28% high (results/cost_tables.md).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ def machine() -> str:
     return f"cpu:{cpu_model()}:{os.cpu_count()}"
 
 
-METHOD = 2  # how a table is measured (part of its cache key: tables of an earlier method are measured again)
+METHOD = 3  # how a table is measured (part of its cache key: tables of an earlier method are measured again)
 
 
 def cache_path(shape: dict) -> Path:
@@ -74,7 +78,7 @@ def relative(seconds) -> np.ndarray:
     return np.maximum.accumulate(ratios).astype(np.float32)
 
 
-ROUNDS = 5  # interleaved rounds of a measurement (3 gave 4 of 5 first-use tables within 10%, results/cost_tables.md)
+ROUNDS = 10  # interleaved rounds of a measurement (results/cost_tables.md)
 
 
 def interleaved(count: int, measure: Callable[[int], float], rounds: int) -> list[list[float]]:
@@ -105,7 +109,7 @@ def step_costs(shape: dict, choices: tuple[int, ...], measure: Callable[[int], f
     return costs
 
 
-MEASURED_STEPS = 8  # steps per timed run (fewer than a policy's probe_every, so a pinned plain run never probes)
+MEASURED_STEPS = 4  # steps per timed run (fewer than a policy's probe_every, so a pinned plain run never probes)
 
 
 def time_steps(

@@ -564,13 +564,30 @@ def measure_costs(
     shape: dict,
 ) -> np.ndarray:
     """The policy's cost table `[C]` for this machine and `shape` (`costs.engine_shape`), cached or measured:
-    `prefill(costs)` starts a fresh loop (new caches) with a cost table, `chunk(carry, steps)` runs it on."""
+    `prefill(costs)` starts a fresh loop (new caches) with a cost table, `chunk(carry, steps)` runs it on.
+
+    The choices are timed in one running generation: before each reading the table pinned to the choice is put in
+    the loop's state and one untimed step goes from the last reading's width to this one, so the readings of a round
+    are milliseconds apart; a fresh prefill (untimed) starts again only when the generation has ended."""
     steps = min(cost_model.MEASURED_STEPS, policy.probe_every - 1) or 1
+    live: dict[str, tuple] = {}
     warm = set()
 
+    def start(index: int) -> tuple:
+        pinned = pinned_costs(policy, index)
+        carry = live.get("carry")
+        if carry is None or bool(carry[0].done.all()):
+            return prefill(pinned)
+        state = carry[0]
+        estimates = state.policy._replace(costs=pinned, idle=jnp.zeros_like(state.policy.idle))
+        return chunk((state._replace(policy=estimates), *carry[1:]), 1)
+
+    def run(carry: tuple) -> tuple:
+        live["carry"] = chunk(carry, steps)
+        return live["carry"]
+
     def measure(index: int) -> float:
-        start = lambda: prefill(pinned_costs(policy, index))
-        seconds = cost_model.time_steps(start, lambda c: chunk(c, steps), repeats=1, warm_up=index not in warm)
+        seconds = cost_model.time_steps(lambda: start(index), run, repeats=1, warm_up=index not in warm)
         warm.add(index)
         return seconds
 
