@@ -101,6 +101,15 @@ def generate_streaming(
     return Result(tokens, num, prefill_end - begin, end - prefill_end, stats, not done.all())
 
 
+def compile_beside(prefill: jax.stages.Lowered, lower_chunk: Callable[[], jax.stages.Lowered]) -> tuple:
+    """(prefill, chunk) compiled: `prefill` in a background thread while `lower_chunk()` lowers the decoding chunk
+    and it compiles here (on 2 CPU cores this took a speculative engine's build from 20.8 to 18.1 s, startup.md)."""
+    with ThreadPoolExecutor(1) as background:
+        prefill_c = background.submit(prefill.compile)
+        chunk_c = lower_chunk().compile()
+        return prefill_c.result(), chunk_c
+
+
 def compile_autoregressive(
     params, config, tokens, lengths, capacity, *, max_new_tokens, sampling, eos_ids, pad_id, seed, mesh=None
 ) -> Engine:
@@ -113,14 +122,15 @@ def compile_autoregressive(
         return place.kv(init_cache(config, tokens.shape[0], capacity))
 
     loop = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
-    with ThreadPoolExecutor(1) as background:
-        pre_c = background.submit(
-            prefill.lower(params, config, tokens, lengths, fresh_cache(), first_rng, sampling).compile
-        )
+
+    def lower_chunk():
         pre = jax.eval_shape(lambda: prefill(params, config, tokens, lengths, fresh_cache(), first_rng, sampling))
         state = jax.eval_shape(functools.partial(start_decode, **loop), pre.cache, pre.token, loop_rng)
-        step_c = decode_chunk.lower(params, config, state, pre.cache, jnp.int32(1), sampling=sampling, **loop)
-        step_c, pre_c = step_c.compile(), pre_c.result()
+        return decode_chunk.lower(params, config, state, pre.cache, jnp.int32(1), sampling=sampling, **loop)
+
+    pre_c, step_c = compile_beside(
+        prefill.lower(params, config, tokens, lengths, fresh_cache(), first_rng, sampling), lower_chunk
+    )
 
     def start(prompts=None, seed=None):
         prompts = (tokens, lengths) if prompts is None else place.batch(*prompts)
@@ -163,15 +173,16 @@ def compile_speculative(
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
     costs = None if policy is None else jnp.ones(len(policy.choices), jnp.float32)
     learnt = {"prior": None if policy is None else first_prior(policy)}
-    with ThreadPoolExecutor(1) as background:
-        pre_c = background.submit(
-            spec_prefill.lower(bundle, tokens, lengths, *fresh_caches(), rng, costs, learnt["prior"], **kw).compile
-        )
+
+    def lower_chunk():
         carry = jax.eval_shape(
             lambda: spec_prefill(bundle, tokens, lengths, *fresh_caches(), rng, costs, learnt["prior"], **kw)
         )
-        step_c = spec_decode_chunk.lower(bundle, *carry, jnp.int32(1), **kw).compile()
-        pre_c = pre_c.result()
+        return spec_decode_chunk.lower(bundle, *carry, jnp.int32(1), **kw)
+
+    pre_c, step_c = compile_beside(
+        spec_prefill.lower(bundle, tokens, lengths, *fresh_caches(), rng, costs, learnt["prior"], **kw), lower_chunk
+    )
     run_steps = lambda carry, steps: step_c(bundle, *carry, jnp.int32(steps))
 
     def prefill_with(step_costs, prompts=(tokens, lengths), key=rng):
