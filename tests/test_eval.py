@@ -14,7 +14,7 @@ from tqdm import tqdm
 from eval import main as eval_main
 from eval import report as eval_report
 from eval.bootstrap import paired_bootstrap, ratio_gains
-from eval.report import PLOTS, write_report
+from eval.report import PLOTS, speedup_interval, write_report
 from hspec_jax.chat import ChatEncoder, conversation
 from hspec_jax.prompts import COUNTS, TASKS, load_prompts, parse_tasks, spread
 from hspec_jax.target_spec import load_target_spec
@@ -143,9 +143,22 @@ def test_report_writer(tmp_path):
     assert "| A | 3 | 4.00 | 55.0 | 2.00x | 2.00x | 1.83x | 62.50 | 0 | 0 | 3/3 |" in text
     assert "| B | 3 | 2.00 | 36.7 | 1.25x | 1.25x | 1.22x | 50.00 | 1,280 | 327,680 | 3/3 |" in text
     assert "| A | all | 1.00 | 1.00 | 0.00 |" in text and "| B | all | 1.00 | 0.00 | n/a |" in text
-    assert "| math | 2 | 30.0 | 4.00 / 1.00 / 2.00x / 2.00x | 2.00 / 1.00 / 1.25x / 1.25x |" in text
+    assert (
+        "| math | 2 | 30.0 | 4.00 / 1.00 / 2.00x [2.00, 2.00] / 2.00x | 2.00 / 1.00 / 1.25x [1.25, 1.25] / 1.25x |"
+        in text
+    )
     assert "| all | A vs B | 3 | +100.0% [+100.0, +100.0] | +60.0% [+60.0, +60.0] |" in text
     assert "Machine: a CPU, 2 cores" in text and "Command: `python -m eval.main --test`" in text
+
+
+def test_a_task_speedup_comes_with_its_interval_over_the_prompts():
+    """Plain decoding takes 1 s per prompt; A takes 0.5 s on two prompts and 2 s on the third: pooled, A decodes 96
+    tokens in 3 s against 3 s (1.00x), and resampling the prompts gives from 0.5x (the slow one thrice) to 2x."""
+    rows = []
+    for unit, seconds in enumerate([0.6, 0.6, 2.1]):
+        rows.append(row("plain", "math", unit, 2 * unit, 33, 1.1, 0.1, 32))
+        rows.append(row("A", "math", unit, 2 * unit + 1, 33, seconds, 0.1, 8, 8, 24, ([8, 8, 8], [8, 8, 0]), True))
+    assert speedup_interval(rows, "A", {"bootstrap_resamples": 2000, "seed": 0}) == "1.00x [0.50, 2.00]"
 
 
 def test_eval_main_end_to_end_on_the_tiny_random_target(tmp_path):

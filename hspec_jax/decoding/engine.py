@@ -157,11 +157,12 @@ def compile_speculative(
     seed,
     mesh=None,
     policy: AdaptivePolicy | None = None,
+    costs: np.ndarray | None = None,
 ) -> Engine:
     """As `compile_autoregressive`, for draft-and-verify with `bundle`'s drafter; `view` also returns the
-    `SpecStats`. With an adaptive `policy`, its step costs for this machine and shape are read from the cache or
-    measured here (`costs.py`), and each generation starts from the prior the last finished one learnt
-    (`policy.py`; the first from the policy's own)."""
+    `SpecStats`. With an adaptive `policy`, its step costs `[C]` are `costs` if given, else read from the cache or
+    measured here for this machine and shape (`costs.py`), and each generation starts from the prior the last
+    finished one learnt (`policy.py`; the first from the policy's own)."""
     rng = jax.random.key(seed)
     place = Placement(mesh, bundle.target.head_dim)
     bundle = place.bundle(bundle)
@@ -171,17 +172,17 @@ def compile_speculative(
         return place.kv(init_caches(bundle, tokens.shape[0], capacity))
 
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, policy=policy)
-    costs = None if policy is None else jnp.ones(len(policy.choices), jnp.float32)
+    table = None if policy is None else jnp.ones(len(policy.choices), jnp.float32)  # a stand-in while compiling
     learnt = {"prior": None if policy is None else first_prior(policy)}
 
     def lower_chunk():
         carry = jax.eval_shape(
-            lambda: spec_prefill(bundle, tokens, lengths, *fresh_caches(), rng, costs, learnt["prior"], **kw)
+            lambda: spec_prefill(bundle, tokens, lengths, *fresh_caches(), rng, table, learnt["prior"], **kw)
         )
         return spec_decode_chunk.lower(bundle, *carry, jnp.int32(1), **kw)
 
     pre_c, step_c = compile_beside(
-        spec_prefill.lower(bundle, tokens, lengths, *fresh_caches(), rng, costs, learnt["prior"], **kw), lower_chunk
+        spec_prefill.lower(bundle, tokens, lengths, *fresh_caches(), rng, table, learnt["prior"], **kw), lower_chunk
     )
     run_steps = lambda carry, steps: step_c(bundle, *carry, jnp.int32(steps))
 
@@ -189,7 +190,9 @@ def compile_speculative(
         caches = jax.block_until_ready(fresh_caches())
         return pre_c(bundle, *prompts, *caches, key, step_costs, learnt["prior"])
 
-    if policy is not None:
+    if policy is not None and costs is not None:
+        costs = jnp.asarray(costs, jnp.float32)
+    elif policy is not None:
         shape = engine_shape(
             bundle.target,
             bundle.drafter,
