@@ -30,7 +30,7 @@ greedy answer differs) and `speedup: <x> decode tokens/s, draft-and-verify over 
 `--drafter` takes a drafter checkpoint directory, the short name of a drafter shipped with the package (e.g.
 `smollm2-hspec`, see hspec_jax/trained/README.md), or `random:<kind>` (a randomly initialised drafter of that
 kind under the target's recipe, useful for lossless checks; kinds: hspec, hspec_kv_only, hspec_last_token,
-dflash, dspark, dflash_target_kv). Every argument is checked before any weights are loaded, together with
+dflash, dspark, dflash_markov, dflash_target_kv). Every argument is checked before any weights are loaded, together with
 the context length, the cache length and the memory the request needs.
 """
 

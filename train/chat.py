@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import unicodedata
 
-ROLES = ("system", "user", "assistant")
 # ShareGPT speaker names (and a few aliases found in public dumps) -> role.
 ROLE_ALIASES = {
     "system": "system",

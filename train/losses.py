@@ -1,11 +1,11 @@
 """The drafter's training loss, as pure functions over one batch of blocks.
 
-Every function takes `[..., Vd]` logits over the draft vocabulary (fp32) and returns a per-slot value
-`[...]`; `reduce` turns per-slot values `[B, A, T]` into one number the way the reference does:
-sum(value * mask * w_k) / (sum(mask) + 1e-5), with position weights w_0 = 0, w_k = exp(-(k - 1) / gamma)
-and an *unweighted* mask count in the denominator.
+Every per-slot function takes `[..., Vd]` logits over the draft vocabulary (fp32) and returns a value `[...]`;
+`slot_sums` adds them up over a chunk of blocks `[B, A, T]` and `loss_from_sums` turns the sums of all chunks into
+one number the way the reference does: sum(value * mask * w_k) / (sum(mask) + 1e-5), with position weights
+w_0 = 0, w_k = exp(-(k - 1) / gamma) and an *unweighted* mask count in the denominator.
 
-The loss (H-Spec, DSpark; DESIGN.md section 5 and the reference notes, section 2.3):
+The loss (H-Spec, DSpark, as the H-Spec reference code trains them):
     0.1 * CE(draft, argmax of the target inside the draft vocabulary)
   + 0.9 * TV = 1 - sum_v min(p_draft, p_target)       (target restricted to the draft vocabulary, renormalised)
   + 1.0 * BCE(confidence logit, sum_v min(p_draft, p_target))   (no gradient through the BCE target)
@@ -38,12 +38,6 @@ def position_weights(block_size: int, gamma: float) -> jax.Array:
     return jnp.where(k == 0, 0.0, jnp.exp(-(k - 1) / gamma))
 
 
-def reduce(values: jax.Array, mask: jax.Array, weights: jax.Array) -> jax.Array:
-    """values, mask `[..., T]`, weights `[T]` -> sum(values * mask * w) / (sum(mask) + 1e-5)."""
-    mask = mask.astype(jnp.float32)
-    return jnp.sum(values * mask * weights) / (jnp.sum(mask) + DENOMINATOR_EPS)
-
-
 def cross_entropy(draft_logits: jax.Array, target_logits: jax.Array) -> jax.Array:
     """`[..., Vd]` x2 -> `[...]`: -log p_draft(argmax target)."""
     label = jnp.argmax(target_logits, axis=-1)
@@ -57,11 +51,6 @@ def overlap(draft_logits: jax.Array, target_logits: jax.Array) -> jax.Array:
     p = jax.nn.softmax(draft_logits.astype(jnp.float32), axis=-1)
     q = jax.nn.softmax(target_logits.astype(jnp.float32), axis=-1)
     return jnp.sum(jnp.minimum(p, q), axis=-1)
-
-
-def total_variation(draft_logits: jax.Array, target_logits: jax.Array) -> jax.Array:
-    """`[...]`: 1 - sum_v min(p_draft, p_target) (the total-variation distance)."""
-    return 1.0 - overlap(draft_logits, target_logits)
 
 
 def confidence_bce(confidence_logits: jax.Array, accept: jax.Array) -> jax.Array:

@@ -27,8 +27,6 @@ from hspec_jax.models.kv_cache import KVCache, check_capacity, commit, init_cach
 class Prefilled(NamedTuple):
     cache: KVCache  # prompt rows committed
     token: jax.Array  # [B] first generated token
-    logits: jax.Array  # [B, V] target logits at the last prompt position
-    hidden: tuple[jax.Array, ...]  # per requested tap, [B, T, D] hidden states of the prompt
 
 
 class Generation(NamedTuple):
@@ -52,18 +50,16 @@ def prefill_unjitted(
     cache: KVCache,
     rng: jax.Array,
     sampling: SamplingConfig | RowSampling = SamplingConfig(),
-    taps: tuple[int, ...] = (),
 ) -> Prefilled:
     """prompts `[B, T]` right-padded with `lengths [B]` into an empty cache -> first token per sequence. `prefill`
     is its jitted form; this one is for callers that trace it inside their own jit (`sampling` may be a
     `RowSampling` there)."""
-    out = forward(params, config, prompts, cache, taps, logit_indices=(lengths - 1)[:, None])
-    logits = out.logits[:, 0]
-    token = sample(rng, logits, sampling)
-    return Prefilled(commit(out.cache, lengths), token, logits, out.hidden)
+    out = forward(params, config, prompts, cache, logit_indices=(lengths - 1)[:, None])
+    token = sample(rng, out.logits[:, 0], sampling)
+    return Prefilled(commit(out.cache, lengths), token)
 
 
-prefill = functools.partial(jax.jit, static_argnames=("config", "sampling", "taps"), donate_argnames=("cache",))(
+prefill = functools.partial(jax.jit, static_argnames=("config", "sampling"), donate_argnames=("cache",))(
     prefill_unjitted
 )
 

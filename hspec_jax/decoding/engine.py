@@ -103,7 +103,8 @@ def generate_streaming(
 
 def compile_beside(prefill: jax.stages.Lowered, lower_chunk: Callable[[], jax.stages.Lowered]) -> tuple:
     """(prefill, chunk) compiled: `prefill` in a background thread while `lower_chunk()` lowers the decoding chunk
-    and it compiles here (on 2 CPU cores this took a speculative engine's build from 20.8 to 18.1 s, startup.md)."""
+    and it compiles here (on 2 CPU cores, one answer with the shipped drafter from an empty cache took 27.5 s as a
+    whole process instead of 30.2 s: CHANGELOG, 2026-12-06)."""
     with ThreadPoolExecutor(1) as background:
         prefill_c = background.submit(prefill.compile)
         chunk_c = lower_chunk().compile()

@@ -1,10 +1,10 @@
-"""Adaptive draft length: per step, draft only as far as it pays (DESIGN.md section 8).
+"""Adaptive draft length: per step, draft only as far as it pays.
 
 A step that drafts k tokens costs T(k) (drafting + verifying k + 1 positions; T(0) = one plain step, the drafter
 not called) and yields 1 + sum_{j<=k} prod_{i<=j} a_i tokens, with a_i the conditional acceptance of slot i.
-Each step takes the k among the compiled choices (`AdaptivePolicy.choices`: by default 0, 1, 2, 4, 7 on accelerators,
-0, 4, 7 on CPU) that maximises yield / cost. The costs `[C]` are T(k) / T(0), measured on the device (`costs.py`),
-a traced array: a new table needs no recompilation.
+Each step takes the k among the compiled choices (`AdaptivePolicy.for_drafts`: by default 0, 1, 2, 4, 7 on
+accelerators, 0, 3, 7 on CPU) that maximises yield / cost. The costs `[C]` are T(k) / T(0), measured on the device
+(`costs.py`), a traced array: a new table needs no recompilation.
 
 Acceptance estimates, per sequence and slot i (all in the loop state, `PolicyState`):
 

@@ -16,7 +16,6 @@ from hspec_jax.drafters.vocab import DraftVocab
 
 class Proposal(NamedTuple):
     tokens: jax.Array  # [B, k] drafted target-vocabulary ids
-    draft_ids: jax.Array  # [B, k] the same tokens as draft-vocabulary ids
     probs: jax.Array  # [B, k, Vd] the distribution each token was drawn from (one-hot when greedy)
     confidence: jax.Array  # [B, k] predicted acceptance of each slot given the earlier ones, in [0, 1]
 
@@ -49,7 +48,7 @@ def propose(
     if markov_params is None:
         draft_ids = sample(rng, base_logits, sampling)
         probs = probabilities(base_logits, sampling)
-        return Proposal(vocab.d2t[draft_ids], draft_ids, probs, top_probability(base_logits))
+        return Proposal(vocab.d2t[draft_ids], probs, top_probability(base_logits))
 
     def step(prev, inputs):
         logits_i, hidden_i, key = inputs
@@ -61,11 +60,11 @@ def propose(
             conf = top_probability(logits_i)
         else:
             conf = jax.nn.sigmoid(confidence_logit(confidence_params, hidden_i, embedded))
-        return token, (token, draft_id, probabilities(logits_i, sampling), conf)
+        return token, (token, probabilities(logits_i, sampling), conf)
 
     keys = jax.random.split(rng, k)
     hidden = jnp.zeros((*base_logits.shape[:2], 0), base_logits.dtype) if hidden is None else hidden
     move = lambda x: jnp.moveaxis(x, 0, 1)
     xs = (move(base_logits), move(hidden), keys)
-    _, (tokens, draft_ids, probs, conf) = jax.lax.scan(step, anchor, xs)
-    return Proposal(move(tokens), move(draft_ids), move(probs), move(conf))
+    _, (tokens, probs, conf) = jax.lax.scan(step, anchor, xs)
+    return Proposal(move(tokens), move(probs), move(conf))

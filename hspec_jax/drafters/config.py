@@ -3,7 +3,8 @@
 * `HSpecConfig`: the Mamba-attention hybrid. Its ablations are switches on the same config:
   `use_state_injection=False` is "KV only" (zero SSM state), `use_target_kv=False` is "last-token only".
 * `DFlashConfig`: DFlash (target hidden states of every context position injected as a drafter-side KV
-  cache). `markov_rank > 0` makes it DSpark; `kv_source="target"` is "DFlash + direct target-KV reuse".
+  cache). `markov_rank > 0` with `sample_from_anchor=True` makes it DSpark (without: `dflash_markov`);
+  `kv_source="target"` is "DFlash + direct target-KV reuse".
 
 `drafter_config(kind, target, **fields)` builds any registered kind by name (`family.DRAFTER_KINDS`; each family
 module registers its kinds and their field overrides).

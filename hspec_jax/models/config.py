@@ -119,11 +119,6 @@ class TargetConfig:
             object.__setattr__(self, name, jnp.dtype(value if value is not None else default_dtype()))
 
     @property
-    def num_groups(self) -> int:
-        """Query heads per KV head (GQA group size)."""
-        return self.num_heads // self.num_kv_heads
-
-    @property
     def scans_layers(self) -> bool:
         """Whether the decoder runs its layers under `jax.lax.scan` (`scan_layers`, or the backend's default)."""
         return scan_layers_default() if self.scan_layers is None else self.scan_layers

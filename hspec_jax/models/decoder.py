@@ -37,9 +37,9 @@ from hspec_jax.models.rope import apply_rope, inverse_frequencies
 
 # Attention is `blocked_attention` for every input: a prompt (more than LONG_INPUT tokens) in its default tiles;
 # a decoding or verification step in key blocks of DECODE_BLOCK_K rows, so a step reads only the key blocks up to
-# the batch's longest sequence, not the whole cache (at batch 16 and 768 cache rows on 2 CPU cores: 60 ms per
-# SmolLM2 step instead of 132 ms with the dense `[B, N, T, S]` form, the same at batch 1;
-# benchmarks/results/data_engine.md).
+# the batch's longest sequence, not the whole cache (the data engine's SmolLM2 generation on 2 CPU cores, static
+# batches of 16: 199.9 tokens/s instead of 149.8 with the dense `[B, N, T, S]` form;
+# benchmarks/results/data_engine_dense_attention.md).
 LONG_INPUT = 256
 DECODE_BLOCK_K = 128
 

@@ -66,10 +66,6 @@ class KVBuffers:
         """S_max, the number of rows each sequence can hold."""
         return self.k[0].shape[1]
 
-    @property
-    def batch_size(self) -> int:
-        return self.k[0].shape[0]
-
     def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
         """(keys, values) of decoder layer i, each `[B, S, K, H]`."""
         return self.k[i], self.v[i]
