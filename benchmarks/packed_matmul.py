@@ -72,7 +72,7 @@ def main(argv=None) -> None:
         "# The packed CPU matmul kernel: a SmolLM2 forward over T tokens, XLA's dots against the packed kernel",
         "",
         f"Machine: {cpu}, {os.cpu_count()} CPUs; jax {jax.__version__} ({jax.default_backend()}); "
-        f"SmolLM2-135M-Instruct fp32, batch 1.  ",
+        f"SmolLM2-135M-Instruct fp32, batch 1; the kernel's {cpu_matmul.kernel_path()} path.  ",
         f"Command: `python -m benchmarks.packed_matmul --repeats {args.repeats} --contexts {args.contexts}`  ",
         "Placed as the engines place them (fused projections, one tree per layer), cache donated, the two trees "
         f"alternating call by call, median of {args.repeats} calls. T(t) / T(1): what verifying t - 1 drafted tokens "

@@ -2,6 +2,10 @@
 packed layout, its build cache, and models placed with packed linear layers against the same models unpacked."""
 
 import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +17,7 @@ from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.drafters.vocab import build_draft_vocab
 from hspec_jax.kernels import cpu_matmul
 from hspec_jax.kernels.cpu_matmul import native
+from hspec_jax.machine import cpu_flags
 from hspec_jax.models import commit, forward, init_cache, init_params
 from hspec_jax.models.layers import for_backend, fuse_projections, pack_linear_layers
 from hspec_jax.recipes import drafter_from_recipe, target_config
@@ -56,6 +61,31 @@ def test_a_row_gives_the_same_bits_whatever_rows_come_with_it():
     for rows in (1, 3, 5):
         np.testing.assert_array_equal(np.asarray(run(x[:, :rows])), full[:, :rows])
     assert np.asarray(run(x[:, :0])).shape == (2, 0, 1536)
+
+
+@needs_kernel
+@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the CPU has no AVX-512F: the kernel has one path here")
+def test_the_avx512_and_avx2_paths_give_the_same_bits(tmp_path):
+    """The AVX-512F path (8 rows per pass) and the AVX2 path (4 rows per pass; a process with
+    HSPEC_PACKED_MATMUL_AVX2=1) compute each element as the same FMA chain: identical outputs for 1 to 9 rows."""
+    x = np.asarray(jax.random.normal(jax.random.key(0), (9, 576)))
+    packed = np.asarray(cpu_matmul.pack(jax.random.normal(jax.random.key(1), (576, 960))))
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "w.npy", packed)
+    script = (
+        "import sys, numpy as np, jax\n"
+        "from hspec_jax.kernels import cpu_matmul\n"
+        "x, w = np.load(sys.argv[1] + '/x.npy'), np.load(sys.argv[1] + '/w.npy')\n"
+        "run = jax.jit(lambda a: cpu_matmul.packed_matmul(a, w, impl='native'))\n"
+        "np.save(sys.argv[1] + '/' + cpu_matmul.kernel_path() + '.npy', np.stack([np.pad(np.asarray(run(x[:m])),"
+        " ((0, 9 - m), (0, 0))) for m in range(1, 10)]))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    for forced in ("0", "1"):
+        env = {**os.environ, "HSPEC_PACKED_MATMUL_AVX2": forced}
+        done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=root, env=env, capture_output=True)
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+    np.testing.assert_array_equal(np.load(tmp_path / "avx512f.npy"), np.load(tmp_path / "avx2.npy"))
 
 
 def test_the_build_is_keyed_by_its_source(tmp_path, monkeypatch):

@@ -29,6 +29,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from hspec_jax.kernels import cpu_matmul
 from hspec_jax.machine import cpu_model
 from hspec_jax.user_cache import user_cache_dir
 
@@ -53,13 +54,14 @@ def cache_path(shape: dict) -> Path:
 
 def engine_shape(target, drafter, sampling, batch: int, capacity: int, params) -> dict:
     """What a step's cost depends on besides the machine: the configs (by digest), the layout of the placed
-    `params` (their tree's structure: fused, per-layer or packed for the CPU kernel run at different speeds), batch
-    and cache rows."""
+    `params` (their tree's structure: fused, per-layer or packed for the CPU kernel run at different speeds), the
+    packed kernel's path on this CPU (`cpu_matmul.kernel_path`), batch and cache rows."""
     digest = lambda config: hashlib.sha256(repr(config).encode()).hexdigest()[:16]
     return {
         "target": digest(target),
         "drafter": digest(drafter),
         "layout": digest(jax.tree.structure(params)),
+        "matmul_kernel": cpu_matmul.kernel_path() if jax.default_backend() == "cpu" else None,
         "sampling": repr(sampling),
         "batch": batch,
         "capacity_bucket": 1 << max(capacity - 1, 1).bit_length(),

@@ -66,10 +66,11 @@ import jax.numpy as jnp
 
 # The draft lengths below the drafter's k that `AdaptivePolicy.for_drafts` compiles, per platform. Every choice is a
 # target forward in the compiled loop and a column of the cost table measured at first use. On CPU the packed matmul
-# kernel multiplies rows in groups of 4, so verifying 2, 3 or 4 rows costs about what one row does and a draft of 3
-# costs what a draft of 1 or 2 does: a SmolLM2 forward over 1, 2, 4 and 5 tokens took 19.8, 20.9, 23.0 and 28.9 ms
-# (benchmarks/results/packed_matmul.md), and with the shipped drafter T(3) / T(0) is 1.44, T(7) / T(0) 1.84
-# (benchmarks/results/cost_tables.md). Shorter drafts there would only cost compiling and measuring
+# kernel multiplies rows in groups of 4 (AVX2) or 8 (AVX-512F), so verifying 2, 3 or 4 rows costs about what one row
+# does and a draft of 3 costs what a draft of 1 or 2 does: a SmolLM2 forward over 1, 2, 4 and 5 tokens took 19.8,
+# 21.4, 23.7 and 29.8 ms on the AVX2 path (19.5, 20.0, 21.9, 24.5 on the AVX-512F one;
+# benchmarks/results/packed_matmul.md), and with the shipped drafter T(3) / T(0) was 1.44, T(7) / T(0) 1.84 on the
+# AVX2 path (benchmarks/results/cost_tables.md). Shorter drafts there would only cost compiling and measuring
 # (benchmarks/results/draft_choices.md). Accelerators keep the short drafts: a verification's cost grows with its
 # rows there only at large batches, where they can pay.
 SHORT_DRAFTS = {"cpu": (3,), "default": (1, 2, 4)}

@@ -160,7 +160,7 @@ def for_backend(params: dict, pack: bool | None = None) -> dict:
     9x longer on GPU, 33 s for Llama-3.1-8B on an H200, benchmarks/results/scan_layers_h200_llama8b.md);
     unchanged on TPU (and sharded runs keep the checkpoint's layout). On CPU, where the packed matmul kernel runs
     (`pack`: None = `cpu_matmul.available()`), the linear layers packed for it (`pack_linear_layers`): a forward over
-    8 tokens then costs about 1.5x one over a single token instead of 2.4x (benchmarks/results/packed_matmul.md).
+    8 tokens then costs about 1.3-1.6x one over a single token, not 1.7-2.4x (benchmarks/results/packed_matmul.md).
     Idempotent: a placed tree comes back with the same arrays."""
     if jax.default_backend() not in ("cpu", "gpu"):
         return params

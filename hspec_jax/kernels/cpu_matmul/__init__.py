@@ -2,16 +2,17 @@
 
 XLA's CPU dots cost about twice as much for 8 rows as for 1 (benchmarks/results/matmul_rows.md), which made
 verifying a block of drafted tokens cost 2.4x a plain decoding step. The native kernel (`packed_matmul.cc`, AVX2
-and FMA, an XLA FFI call) reads each weight block once for all rows, so a SmolLM2 forward over 8 tokens costs
-about 1.5x one over a single token (benchmarks/results/packed_matmul.md).
+and FMA, with an AVX-512F path chosen at run time where the CPU has it; an XLA FFI call) reads each weight block
+once for all rows, so a SmolLM2 forward over 8 tokens costs about 1.3-1.5x one over a single token
+(benchmarks/results/packed_matmul.md).
 
 Modules:
 * `reference`: the packed layout (`pack`, `pack_rows`, `unpack`) and the `jnp` definition of the product.
 * `native`: building (once, into `build/` beside the source), loading and registering the C++ kernel.
 
-Entry points: `available()` says whether the kernel runs here; `packed_matmul(x, packed)` multiplies, with the
-kernel where it runs and the reference elsewhere. `hspec_jax.models.layers.for_backend` packs a model's linear
-layers on CPU where the kernel is available.
+Entry points: `available()` says whether the kernel runs here, `kernel_path()` which path it takes;
+`packed_matmul(x, packed)` multiplies, with the kernel where it runs and the reference elsewhere.
+`hspec_jax.models.layers.for_backend` packs a model's linear layers on CPU where the kernel is available.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "COLUMNS",
     "available",
+    "kernel_path",
     "pack",
     "pack_rows",
     "packable",
@@ -59,6 +61,14 @@ def available() -> bool:
     if reason is not None:
         log.info("linear layers keep XLA's dots: the packed CPU matmul kernel is unavailable (%s)", reason)
     return reason is None
+
+
+def kernel_path() -> str | None:
+    """The native kernel's path on this CPU, "avx512f" or "avx2" (None where the kernel does not run): the two
+    compute the same bits, at different speeds."""
+    if not available():
+        return None
+    return "avx512f" if native.vector_bits() == 512 else "avx2"
 
 
 def packed_matmul(x: jax.Array, packed: jax.Array, impl: str | None = None) -> jax.Array:

@@ -94,10 +94,18 @@ def unavailable_reason() -> str | None:
 
 
 @functools.cache
-def load() -> None:
-    """Build (if needed), load and register the kernel, once per process."""
+def load() -> ctypes.CDLL:
+    """Build (if needed), load and register the kernel, once per process; returns the loaded library."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++, c++ or $CXX) to build the packed CPU matmul kernel")
     library = ctypes.cdll.LoadLibrary(str(build(cxx)))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.HspecPackedMatmul), platform="cpu")
+    return library
+
+
+def vector_bits() -> int:
+    """The vector width of the kernel's path on this CPU, chosen by the library at run time: 512 where the CPU has
+    AVX-512F (8 rows per pass over a block), else 256 (AVX2, 4 rows per pass); `HSPEC_PACKED_MATMUL_AVX2=1` in the
+    environment of the process asks for the AVX2 path."""
+    return int(load().HspecPackedMatmulVectorBits())

@@ -1,13 +1,18 @@
-// y[M, N] = x[M, K] @ W[K, N] in fp32 on x86 CPUs with AVX2 and FMA, for W packed as [N / 16, K, 16]
-// (reference.py: `pack`): each 16-column block of W is one contiguous stream of K rows of 16 floats.
+// y[M, N] = x[M, K] @ W[K, N] in fp32 on x86 CPUs with AVX2 and FMA (AVX-512F where present), for W packed as
+// [N / 16, K, 16] (reference.py: `pack`): each 16-column block of W is one contiguous stream of K rows of 16 floats.
 //
 // Why: XLA's CPU dots cost about 2x one row when they multiply 8 rows by the same weights
 // (benchmarks/results/matmul_rows.md), so verifying 8 drafted tokens costs 2.4x a single-token step. Here every
 // weight block is read from memory once and used for all rows while it is in L1, so up to ~8 rows cost about
 // what one row costs (the weights' read), and the fp32 FMAs of the other rows hide behind it.
 //
-// Each output element is one FMA chain over k = 0..K-1 in order, whatever M is: a row's result does not depend
-// on how many other rows are multiplied with it (unlike XLA's dots, which pick their kernels by shape).
+// Each output element is one FMA chain over k = 0..K-1 in order, whatever M is and whichever path runs: a row's
+// result does not depend on how many other rows are multiplied with it (unlike XLA's dots, which pick their
+// kernels by shape), nor on the CPU's vector width.
+//
+// Two paths, chosen at run time: AVX2 passes over a block 4 rows at a time (two 8-float registers per row); where
+// the CPU has AVX-512F, one 16-float register per row and its 32 registers let a pass take up to 8 rows, so 5 to 8
+// rows read each block once instead of twice.
 //
 // The 16-column blocks are shared between the calling thread and XLA's intra-op thread pool.
 #include <immintrin.h>
@@ -15,6 +20,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 
 #include "xla/ffi/api/ffi.h"
@@ -73,9 +79,57 @@ void MultiplyBlock(const float* x, const float* w, float* y, int64_t M, int64_t 
   }
 }
 
+// The AVX-512 path: columns [n, n + 16) of rows [m0, m0 + R) of y (R = 1, 2, 4 or 8; rows past `rows` repeat the
+// last one and are not stored).
+template <int R>
+__attribute__((target("avx512f"))) void MultiplyRows512(const float* x, const float* w, float* y, int64_t rows,
+                                                       int64_t K, int64_t N, int64_t n) {
+  const float* xr[R];
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) {
+    xr[r] = x + std::min<int64_t>(r, rows - 1) * K;
+    acc[r] = _mm512_setzero_ps();
+  }
+  const float* wk = w;
+  for (int64_t k = 0; k < K; ++k, wk += kColumns) {
+    const __m512 wv = _mm512_loadu_ps(wk);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[r][k]), wv, acc[r]);
+  }
+  for (int r = 0; r < rows; ++r) _mm512_storeu_ps(y + r * N + n, acc[r]);
+}
+
+__attribute__((target("avx512f"))) void MultiplyBlock512(const float* x, const float* w, float* y, int64_t M,
+                                                         int64_t K, int64_t N, int64_t n) {
+  constexpr int64_t kRows512 = 8;
+  for (int64_t m0 = 0; m0 < M; m0 += kRows512) {
+    const int64_t rows = std::min(kRows512, M - m0);
+    const float* xm = x + m0 * K;
+    float* ym = y + m0 * N;
+    if (rows == 1) {
+      MultiplyRows512<1>(xm, w, ym, rows, K, N, n);
+    } else if (rows == 2) {
+      MultiplyRows512<2>(xm, w, ym, rows, K, N, n);
+    } else if (rows <= 4) {
+      MultiplyRows512<4>(xm, w, ym, rows, K, N, n);
+    } else {
+      MultiplyRows512<8>(xm, w, ym, rows, K, N, n);
+    }
+  }
+}
+
+using BlockFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+
+// The path this CPU runs (the AVX2 one unless it has AVX-512F, or HSPEC_PACKED_MATMUL_AVX2=1 asks for it).
+BlockFn ChosenBlockFn() {
+  const char* avx2 = std::getenv("HSPEC_PACKED_MATMUL_AVX2");
+  const bool forced = avx2 != nullptr && avx2[0] == '1';
+  return (!forced && __builtin_cpu_supports("avx512f")) ? MultiplyBlock512 : MultiplyBlock;
+}
+
 // The blocks of one call, taken in chunks by whichever threads come: the caller and the pool's helpers. It lives
 // as long as the last helper that holds it (a helper that starts after the call returned finds nothing to do).
 struct Blocks {
+  BlockFn block;
   const float* x;
   const float* w;
   float* y;
@@ -88,7 +142,7 @@ struct Blocks {
       const int64_t first = next.fetch_add(chunk, std::memory_order_relaxed);
       if (first >= count) return;
       const int64_t end = std::min(first + chunk, count);
-      for (int64_t b = first; b < end; ++b) MultiplyBlock(x, w + b * K * kColumns, y, M, K, N, b * kColumns);
+      for (int64_t b = first; b < end; ++b) block(x, w + b * K * kColumns, y, M, K, N, b * kColumns);
       done.fetch_add(end - first, std::memory_order_release);
     }
   }
@@ -101,7 +155,9 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, Rows x, Packed w, ffi::Result<Rows
     return ffi::Error::InvalidArgument("packed_matmul: weights must be [N / 16, K, 16] with K = x.shape[1]");
   }
   if (M == 0 || count == 0) return ffi::Error::Success();
+  static const BlockFn block = ChosenBlockFn();
   auto blocks = std::make_shared<Blocks>();
+  blocks->block = block;
   blocks->x = x.typed_data();
   blocks->w = w.typed_data();
   blocks->y = y->typed_data();
@@ -118,6 +174,9 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, Rows x, Packed w, ffi::Result<Rows
 }
 
 }  // namespace
+
+// The vector width in bits of the path the kernel runs on this CPU: 512 (AVX-512F) or 256 (AVX2).
+extern "C" int HspecPackedMatmulVectorBits() { return ChosenBlockFn() == MultiplyBlock512 ? 512 : 256; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HspecPackedMatmul, PackedMatmul,
                               ffi::Ffi::Bind()
