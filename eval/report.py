@@ -258,14 +258,15 @@ def write_report(out_dir: str, rows: list[dict], meta: dict) -> list[str]:
     ]
     for task in tasks:
         p = by[(PLAIN, task)]
+        task_rows = [r for r in rows if r["task"] == task]
         cells = []
         for m in drafters:
             t = by[(m, task)]
             _, _, predicted = speedups(t, p)
             slot_1 = fmt(t.acceptance_by_position()[0]) if len(t.reached_at) else "n/a"
-            interval = speedup_interval([r for r in rows if r["task"] == task], m, meta)
+            interval = speedup_interval(task_rows, m, meta)
             cells.append(f"{fmt(t.tau)} / {slot_1} / {interval} / {fmt(predicted)}x")
-        prompts = len({r["prompt_id"] for r in rows if r["task"] == task})
+        prompts = len({r["prompt_id"] for r in task_rows})
         lines.append(f"| {task} | {prompts} | {fmt(p.tokens_per_s, 1)} | " + " | ".join(cells) + " |")
     k_max = max((len(overall[m].reached_at) for m in drafters), default=0)
     lines += [

@@ -119,11 +119,15 @@ __attribute__((target("avx512f"))) void MultiplyBlock512(const float* x, const f
 
 using BlockFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
 
-// The path this CPU runs (the AVX2 one unless it has AVX-512F, or HSPEC_PACKED_MATMUL_AVX2=1 asks for it).
+// The path this CPU runs (the AVX2 one unless it has AVX-512F, or HSPEC_PACKED_MATMUL_AVX2=1 asks for it), chosen
+// once per process.
 BlockFn ChosenBlockFn() {
-  const char* avx2 = std::getenv("HSPEC_PACKED_MATMUL_AVX2");
-  const bool forced = avx2 != nullptr && avx2[0] == '1';
-  return (!forced && __builtin_cpu_supports("avx512f")) ? MultiplyBlock512 : MultiplyBlock;
+  static const BlockFn chosen = [] {
+    const char* avx2 = std::getenv("HSPEC_PACKED_MATMUL_AVX2");
+    const bool forced = avx2 != nullptr && avx2[0] == '1';
+    return (!forced && __builtin_cpu_supports("avx512f")) ? MultiplyBlock512 : MultiplyBlock;
+  }();
+  return chosen;
 }
 
 // The blocks of one call, taken in chunks by whichever threads come: the caller and the pool's helpers. It lives
@@ -155,9 +159,8 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, Rows x, Packed w, ffi::Result<Rows
     return ffi::Error::InvalidArgument("packed_matmul: weights must be [N / 16, K, 16] with K = x.shape[1]");
   }
   if (M == 0 || count == 0) return ffi::Error::Success();
-  static const BlockFn block = ChosenBlockFn();
   auto blocks = std::make_shared<Blocks>();
-  blocks->block = block;
+  blocks->block = ChosenBlockFn();
   blocks->x = x.typed_data();
   blocks->w = w.typed_data();
   blocks->y = y->typed_data();
