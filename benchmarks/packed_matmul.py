@@ -3,8 +3,9 @@ step, and verifying 1, 3, 4 or 7 drafted tokens) with XLA's dots against the pac
 
     python -m benchmarks.packed_matmul [--repeats 15] [--contexts 64,1024]
 
-Both trees are placed as the engines place them (`for_backend`: fused projections, one tree per layer), one with
-`pack=False`. Each forward is jitted with its cache donated, as in the engines; the two trees alternate call by
+Both trees are placed as the engines place them (`for_backend`): XLA's dots as on a CPU without the kernel (fused
+projections, one tree per layer, layers called one by one), the packed kernel as here (fused, packed, layers
+stacked and scanned). Each forward is jitted with its cache donated, as in the engines; the two trees alternate call by
 call (A, B, A, B, ...) and each cell is a median of `--repeats` calls. Also checks that both give the same greedy
 tokens. Writes `benchmarks/results/packed_matmul.md`.
 """
@@ -24,35 +25,38 @@ from hspec_jax.checkpoints import load_target
 from hspec_jax.kernels import cpu_matmul
 from hspec_jax.machine import cpu_model
 from hspec_jax.models import forward, init_cache
-from hspec_jax.models.layers import for_backend
+from hspec_jax.models.decoder import unstack_layers
+from hspec_jax.models.layers import for_backend, fuse_projections
 
 WIDTHS = (1, 2, 4, 5, 8)
 
 
-def forward_times(config, trees: dict, context: int, repeats: int) -> tuple[dict, bool]:
-    """{(tree name, T): median seconds} of one forward over T tokens after `context` cached rows, and whether
-    every tree gave the same greedy tokens."""
+def forward_times(trees: dict, context: int, repeats: int) -> tuple[dict, bool]:
+    """{(tree name, T): median seconds} of one forward over T tokens after `context` cached rows (`trees`: name ->
+    (config, placed params)), and whether every tree gave the same greedy tokens."""
 
-    def run(p, t, c):
+    def run(p, config, t, c):
         out = forward(p, config, t, c)
         return out.logits.argmax(-1), out.cache
 
-    step = jax.jit(run, donate_argnums=2)
-    fresh = lambda: init_cache(config, 1, context + 16).replace(lengths=jnp.array([context], jnp.int32))
+    jitted = jax.jit(run, static_argnums=1, donate_argnums=3)
+    step = lambda tree, t, c: jitted(tree[1], tree[0], t, c)
+    config = next(iter(trees.values()))[0]
+    fresh = lambda config=config: init_cache(config, 1, context + 16).replace(lengths=jnp.array([context], jnp.int32))
     rng = np.random.default_rng(context)
     tokens = {t: jnp.asarray(rng.integers(0, config.vocab_size, (1, t)), jnp.int32) for t in WIDTHS}
     agree = True
     for t in WIDTHS:
-        outs = [np.asarray(step(params, tokens[t], fresh())[0]) for params in trees.values()]
+        outs = [np.asarray(step(tree, tokens[t], fresh(tree[0]))[0]) for tree in trees.values()]
         agree &= all(np.array_equal(outs[0], o) for o in outs[1:])
     samples = {(name, t): [] for name in trees for t in WIDTHS}
     for _ in range(repeats):
         for t in WIDTHS:
-            for name, params in trees.items():
-                cache = fresh()
+            for name, tree in trees.items():
+                cache = fresh(tree[0])
                 jax.block_until_ready(cache)
                 start = time.perf_counter()
-                jax.block_until_ready(step(params, tokens[t], cache))
+                jax.block_until_ready(step(tree, tokens[t], cache))
                 samples[name, t].append(time.perf_counter() - start)
     return {key: float(np.median(v)) for key, v in samples.items()}, agree
 
@@ -66,7 +70,12 @@ def main(argv=None) -> None:
     if not cpu_matmul.available():
         raise SystemExit("the packed CPU matmul kernel does not run here (see the log line above)")
     config, params = load_target("smollm2")
-    trees = {"XLA dots": for_backend(params, pack=False), "packed kernel": for_backend(params, pack=True)}
+    fused = fuse_projections(params)
+    per_layer = {**fused, "layers": unstack_layers(fused["layers"], config.num_layers)}
+    trees = {
+        "XLA dots": (config.replace(scan_layers=False), for_backend(per_layer, pack=False)),
+        "packed kernel": (config, for_backend(params, pack=True)),
+    }
     cpu = cpu_model()
     lines = [
         "# The packed CPU matmul kernel: a SmolLM2 forward over T tokens, XLA's dots against the packed kernel",
@@ -74,7 +83,8 @@ def main(argv=None) -> None:
         f"Machine: {cpu}, {os.cpu_count()} CPUs; jax {jax.__version__} ({jax.default_backend()}); "
         f"SmolLM2-135M-Instruct fp32, batch 1; the kernel's {cpu_matmul.kernel_path()} path.  ",
         f"Command: `python -m benchmarks.packed_matmul --repeats {args.repeats} --contexts {args.contexts}`  ",
-        "Placed as the engines place them (fused projections, one tree per layer), cache donated, the two trees "
+        "Placed as the engines place them (fused projections; XLA's dots one tree per layer, called one by one, as "
+        "on a CPU without the kernel; the packed kernel's layers stacked and scanned), cache donated, the two trees "
         f"alternating call by call, median of {args.repeats} calls. T(t) / T(1): what verifying t - 1 drafted tokens "
         "costs over a plain step.",
         "",
@@ -82,7 +92,7 @@ def main(argv=None) -> None:
         "|---|---|" + "---|" * (len(WIDTHS) + 2),
     ]
     for context in (int(c) for c in args.contexts.split(",")):
-        times, agree = forward_times(config, trees, context, args.repeats)
+        times, agree = forward_times(trees, context, args.repeats)
         for name in trees:
             cells = " | ".join(f"{times[name, t] * 1e3:.1f}" for t in WIDTHS)
             ratio = times[name, 8] / times[name, 1]

@@ -86,13 +86,13 @@ def test_decode_step_updates_cache_in_place():
     cache = init_cache(config, 2, 8192)
     step = jax.jit(lambda p, t, c: commit(forward(p, config, t, c).cache, jnp.ones(2, jnp.int32)), donate_argnums=2)
     stats = step.lower(params, jnp.zeros((2, 1), jnp.int32), cache).compile().memory_analysis()
-    cache_bytes = sum(x.nbytes for x in cache.k + cache.v)
+    cache_bytes = sum(x.nbytes for x in jax.tree.leaves((cache.k, cache.v)))
     assert stats.alias_size_in_bytes >= cache_bytes
     assert stats.temp_size_in_bytes < cache_bytes / 4
     first = prefill(params, config, jnp.ones((2, 4), jnp.int32), jnp.array([4, 2]), cache, jax.random.key(0))
-    assert cache.k[0].is_deleted()  # prefill consumed (donated) the buffer
+    assert all(x.is_deleted() for x in jax.tree.leaves(cache.k))  # prefill consumed (donated) the buffers
     out = decode(params, config, first.cache, first.token, jax.random.key(1), max_new_tokens=5)
-    assert first.cache.k[0].is_deleted()
+    assert all(x.is_deleted() for x in jax.tree.leaves(first.cache.k))
     np.testing.assert_array_equal(np.asarray(out.cache.lengths), [4 + 4, 2 + 4])
 
 

@@ -64,7 +64,7 @@ def test_memory_formula_matches_the_real_buffers():
     target = target_config(recipe, dtype="bfloat16")
     rows = memory.memory_rows(recipe.target.hf_config.to_dict(), 2, 5)
     cache = jax.eval_shape(lambda: init_cache(target, 2, 64))
-    assert sum(x.size * x.dtype.itemsize for x in cache.k + cache.v) == rows[0][1] * 2 * 64
+    assert sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((cache.k, cache.v))) == rows[0][1] * 2 * 64
     dflash = drafter_from_recipe(recipe, "dflash", target)
     context = jax.eval_shape(lambda: empty_context(dflash, 2, 64))
     assert sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(context)) == rows[2][2] * 2 * 64

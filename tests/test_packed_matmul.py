@@ -3,6 +3,7 @@ packed layout, its build cache, and models placed with packed linear layers agai
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -184,5 +185,48 @@ def test_packed_drafter_matches_unpacked(kind):
 
 @needs_kernel
 def test_cpu_placement_packs_where_the_kernel_runs():
-    placed = for_backend(init_params(TARGET, jax.random.key(0)))
-    assert "packed_kernel" in placed["layers"][0]["mlp"]["gate_up_proj"] and "packed_lm_head" in placed
+    """Where the kernel runs the CPU decoder scans its layers: they stay stacked, each kernel packed per layer."""
+    params = init_params(TARGET, jax.random.key(0))
+    placed = for_backend(params)
+    assert TARGET.scans_layers and "packed_lm_head" in placed
+    packed = placed["layers"]["mlp"]["gate_up_proj"]["packed_kernel"]
+    gate = params["layers"]["mlp"]["gate_proj"]["kernel"]
+    assert packed.shape == (TARGET.num_layers, 2 * TARGET.intermediate_size // 16, TARGET.hidden_size, 16)
+    assert jnp.array_equal(cpu_matmul.unpack(packed)[..., : gate.shape[-1]], gate)
+
+
+@needs_kernel
+@pytest.mark.parametrize("first_block", [0, 2])
+def test_native_kernel_reads_one_layer_of_a_stack(first_block):
+    """A `StackedLayer` (the stack and a traced layer index) multiplies by that layer's kernel from `first_block` on,
+    natively as in the reference; an index past the stack is an error, not a read out of bounds."""
+    x = jax.random.normal(jax.random.key(0), (3, 64))
+    kernels = jax.random.normal(jax.random.key(1), (4, 64, 96))
+    stack = cpu_matmul.pack(kernels)
+    assert jnp.array_equal(cpu_matmul.unpack(stack), kernels)
+    run = jax.jit(
+        lambda i, impl: cpu_matmul.packed_matmul(x, cpu_matmul.StackedLayer(stack, i), impl, first_block),
+        static_argnums=1,
+    )
+    for i in range(4):
+        expected = np.asarray(x @ kernels[i])[:, 16 * first_block :]
+        for impl in ("native", "reference"):
+            np.testing.assert_allclose(np.asarray(run(jnp.int32(i), impl)), expected, rtol=1e-5, atol=1e-4)
+    with pytest.raises(Exception, match="layer index out of range"):
+        jax.block_until_ready(run(jnp.int32(4), "native"))
+
+
+@needs_kernel
+def test_a_scanned_step_copies_no_layer_weights_nor_cache():
+    """The point of scanning on CPU: in the compiled decoding step no packed kernel is sliced out of its stack and
+    no layer of the (donated) cache is copied whole; attention reads key blocks of 128 rows."""
+    params = for_backend(init_params(TARGET, jax.random.key(0)))
+    cache = init_cache(TARGET, 2, 512)
+    step = jax.jit(lambda p, t, c: forward(p, TARGET, t, c), donate_argnums=2)
+    hlo = step.lower(params, jnp.ones((2, 1), jnp.int32), cache).compile().as_text()
+    sliced = {m.group(1) for m in re.finditer(r"f32\[([\d,]+)\][^=]*= *f32\[[\d,]+\][^ ]* dynamic-slice\(", hlo)}
+    sliced |= {m.group(1) for m in re.finditer(r"= f32\[([\d,]+)\]\{[\d,]+\} (?:dynamic-slice|copy)\(", hlo)}
+    kernels = {",".join(map(str, a.shape[1:])) for a in jax.tree.leaves(params["layers"]) if a.ndim == 4}
+    layer = ",".join(map(str, cache.k.shape[1:]))
+    assert kernels and not any(s.removeprefix("1,") in kernels for s in sliced), sliced
+    assert layer not in {s.removeprefix("1,") for s in sliced} and ",".join(map(str, cache.k.shape)) not in sliced

@@ -9,6 +9,7 @@ import pytest
 from hspec_jax.checkpoints import load_target, save_target
 from hspec_jax.checkpoints.orbax_io import save_pytree
 from hspec_jax.models import TargetConfig, forward, init_cache, init_params, layer_params
+from hspec_jax.models import config as config_module
 from hspec_jax.models.decoder import per_layer_names, stacked_layers
 from hspec_jax.models.layers import for_backend
 from hspec_jax.parallel import logical_axes
@@ -92,9 +93,14 @@ def test_one_layer_is_traced_whatever_the_depth():
     assert text.count("call @decoder_layer") == 12
 
 
-def test_placement_on_cpu_gives_one_tree_per_layer_once():
+def test_placement_follows_the_backends_default(monkeypatch):
+    """Where the decoder scans (TPU; CPU with the packed kernel) placement keeps the layers stacked; where it does
+    not (GPU; a CPU without the kernel, as here) it gives one tree per layer, once."""
     params = init_params(TARGET, jax.random.key(0))
-    placed = for_backend(params, pack=False)  # packing: tests/test_packed_matmul.py
+    if config_module.scan_layers_default():
+        assert stacked_layers(for_backend(params, pack=False)["layers"])  # packing: tests/test_packed_matmul.py
+    monkeypatch.setattr(config_module, "scan_layers_default", lambda: False)
+    placed = for_backend(params, pack=False)
     assert stacked_layers(params["layers"]) and isinstance(placed["layers"], tuple)
     assert len(placed["layers"]) == TARGET.num_layers
     np.testing.assert_array_equal(

@@ -32,15 +32,20 @@ def blocked_attention(
     first_row: jax.Array | None = None,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query attention over an interval of cache rows per query, block by block.
 
-    q `[B, T, N, H]`; k, v `[B, S, K, H]` (N a multiple of K); last_row, first_row `[B, T]` int (first_row None
-    = 0). Every query must see at least one row. Returns `[B, T, N, H]` in q.dtype, equal (up to float
-    rounding) to `dot_product_attention` with the mask `first_row <= j <= last_row`.
+    q `[B, T, N, H]`; k, v `[B, S, K, H]` (N a multiple of K), or with `layer` (an int32 scalar, traced or not)
+    every layer's stacked `[L, B, S, K, H]`, of which layer `layer` is read block by block where it lies (a scanned
+    decoder's cache: no copy of the layer first); last_row, first_row `[B, T]` int (first_row None = 0). Every
+    query must see at least one row. Returns `[B, T, N, H]` in q.dtype, equal (up to float rounding) to
+    `dot_product_attention` with the mask `first_row <= j <= last_row`.
     """
+    if layer is None:
+        k, v, layer = k[None], v[None], 0
     b, t, n, h = q.shape
-    s, kv_heads = k.shape[1], k.shape[2]
+    s, kv_heads = k.shape[2], k.shape[3]
     g = n // kv_heads
     if first_row is None:
         first_row = jnp.zeros_like(last_row)
@@ -60,8 +65,7 @@ def blocked_attention(
         def key_block(j, carry):
             m, norm, acc = carry  # [B, K, G, bq], [B, K, G, bq], [B, K, G, bq, H]
             start = jnp.minimum(j * bk, s - bk)  # the last block is shifted back to fit; its overlap is masked
-            kb = jax.lax.dynamic_slice_in_dim(k, start, bk, axis=1)
-            vb = jax.lax.dynamic_slice_in_dim(v, start, bk, axis=1)
+            kb, vb = (jax.lax.dynamic_slice(x, (layer, 0, start, 0, 0), (1, b, bk, kv_heads, h))[0] for x in (k, v))
             keys = start + jnp.arange(bk)
             visible = (keys >= j * bk) & (keys >= first[:, :, None]) & (keys <= last[:, :, None])  # [B, bq, bk]
             visible = visible[:, None, None]  # [B, 1, 1, bq, bk]

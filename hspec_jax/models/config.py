@@ -36,14 +36,24 @@ def hf_size(hf: dict, key: str, required: bool = True) -> int | None:
 
 
 def scan_layers_default() -> bool:
-    """Scan the decoder layers on TPU only. Measured: XLA copies each layer's weights out of the stacked arrays
-    inside the scan, on CPU (a SmolLM2 decoding step 1.26-1.31x slower than one call per layer on separate weights
-    at 128-512 rows of cache capacity; from 1024 rows the scanned step is the faster, 0.66-0.83x, which this
-    default does not follow yet: benchmarks/results/scan_layers_by_capacity.md) and on GPU (a Llama-3.1-8B step
-    1.61x slower on one H200, benchmarks/results/scan_layers_h200_llama8b.md), where the per-layer program compiles
-    in 3-4 s against 2 s.
+    """Scan the decoder layers on TPU, and on CPU where the packed matmul kernel runs; call them one by one
+    elsewhere. Measured:
+    * CPU with the packed kernel (`hspec_jax.kernels.cpu_matmul`): a scan step hands each linear layer the whole
+      stacked kernel and its layer index, and attention reads the stacked cache at the layer index block by block,
+      so nothing is copied out of the stacks; a SmolLM2 forward then costs 0.86-1.06x the per-layer one over 1-8
+      tokens at 256-2048 rows of cache, and compiles in 0.7-1.0 s instead of 2.2-3.5 s
+      (benchmarks/results/scan_layers.md).
+    * CPU with XLA's dots (no packed kernel): XLA copies each layer's weights out of the stacked arrays inside the
+      scan, a decoding step 1.26-1.31x slower at 128-512 rows of cache (benchmarks/results/scan_layers_by_capacity.md).
+    * GPU: a Llama-3.1-8B step 1.61x slower on one H200 (benchmarks/results/scan_layers_h200_llama8b.md), where the
+      per-layer program compiles in 3-4 s against 2 s.
     TPU is not measured here: it scans, as MaxText and Levanter do there, compiling one layer instead of L."""
-    return jax.default_backend() == "tpu"
+    backend = jax.default_backend()
+    if backend == "cpu":
+        from hspec_jax.kernels import cpu_matmul
+
+        return cpu_matmul.available()
+    return backend == "tpu"
 
 
 def default_dtype() -> jnp.dtype:

@@ -12,10 +12,11 @@ output before the final norm). The output of decoder layer i is therefore tap i 
 Parameter names mirror the Hugging Face module tree with the layers stacked on a leading axis
 (`layers/self_attn/q_proj/kernel[3]` is `model.layers.3.self_attn.q_proj.weight` transposed), so checkpoint
 conversion is a plain table (`hspec_jax.checkpoints.hf`). Every layer runs through one function,
-`decoder_layer`: under `jax.lax.scan` on TPU (one layer traced and compiled whatever the depth), or called
-once per layer on CPU and GPU, where XLA was measured to copy each layer's weights out of the stacked arrays
-(`TargetConfig.scan_layers`, `scan_layers_default`; placement hands that path one tree per layer,
-`unstack_layers`).
+`decoder_layer`: under `jax.lax.scan` on TPU and on CPU with the packed matmul kernel (one layer traced and
+compiled whatever the depth; on CPU the kernel reads each layer's weights inside the stacks and attention its
+cache rows, so the scan copies neither), or called once per layer on GPU, where XLA was measured to copy each
+layer's weights out of the stacked arrays (`TargetConfig.scan_layers`, `scan_layers_default`; placement hands
+that path one tree per layer, `unstack_layers`).
 """
 
 from __future__ import annotations
@@ -123,14 +124,14 @@ class SelfAttention(AttentionProjections):
         accessors), starts `[B]` (first row written), doc_starts `[B, T]` or None -> (out `[B, T, D]`, cache)."""
         q, k, v = self.query_key_value(x, positions)
         cache = cache.write(index, k, v, starts)
-        k_buf, v_buf = cache.layer(index)
+        k_buf, v_buf, layer = cache.in_place(index)
         rows = starts[:, None] + jnp.arange(x.shape[1])[None, :]
         first = doc_starts
         if self.window is not None:
             lowest = rows - self.window + 1
             first = lowest if first is None else jnp.maximum(first, lowest)
         block_k = {} if x.shape[1] > LONG_INPUT else {"block_k": DECODE_BLOCK_K}
-        out = blocked_attention(q, k_buf, v_buf, rows, first, **block_k)
+        out = blocked_attention(q, k_buf, v_buf, rows, first, layer=layer, **block_k)
         return self.output(out), cache
 
 
@@ -158,11 +159,12 @@ class DecoderLayer(nn.Module):
 FULL_ATTENTION = 1 << 30
 
 
-def decoder_layer(layer_params: dict, config: TargetConfig, window, x, positions, cache, starts, doc_starts):
+def decoder_layer(layer_params: dict, config: TargetConfig, window, x, positions, cache, starts, doc_starts, index=0):
     """Decoder layer `layer_params` (one layer's tree, no layer axis) as a pure function, the one unit every layer
-    runs through: x `[B, T, D]`, positions `[B, T]`, `cache` a one-layer cache (`kv_cache.layer_view`) this
-    layer writes and reads as its layer 0, starts `[B]`, doc_starts `[B, T]` or None -> (x `[B, T, D]`, cache)."""
-    return DecoderLayer(config, window).apply({"params": layer_params}, x, positions, cache, 0, starts, doc_starts)
+    runs through: x `[B, T, D]`, positions `[B, T]`, `cache` the cache this layer writes and reads as its layer
+    `index` (a one-layer cache, `kv_cache.layer_view`, and 0; or a scan's stacked cache and the traced layer
+    index), starts `[B]`, doc_starts `[B, T]` or None -> (x `[B, T, D]`, cache)."""
+    return DecoderLayer(config, window).apply({"params": layer_params}, x, positions, cache, index, starts, doc_starts)
 
 
 # Called once per layer when layers are not scanned: traced and lowered once per (config, window, shapes) and
@@ -180,14 +182,42 @@ def unstack_layers(layers: dict, num_layers: int) -> tuple[dict, ...]:
     return tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(num_layers))
 
 
+def split_packed(layers: dict) -> tuple[dict, dict]:
+    """A stacked layer tree as (the tree without its packed kernels, the packed kernels alone `[L, N / 16, K, 16]`,
+    at the same paths): a scan slices the first per layer and leaves the second whole."""
+    sliced, packed = {}, {}
+    for name, value in layers.items():
+        if isinstance(value, dict):
+            sliced[name], packed[name] = split_packed(value)
+        elif name == "packed_kernel":
+            packed[name] = value
+        else:
+            sliced[name] = value
+    return sliced, packed
+
+
+def with_packed(layer: dict, packed: dict, index: jax.Array) -> dict:
+    """One layer's tree (`layer`, sliced by a scan) with the packed kernels of `split_packed` put back as layer
+    `index` of their stacks (`cpu_matmul.StackedLayer`: the kernel reads them in place, nothing is copied)."""
+    out = dict(layer)
+    for name, value in packed.items():
+        if isinstance(value, dict):
+            out[name] = with_packed(layer.get(name, {}), value, index)
+        else:
+            out[name] = cpu_matmul.StackedLayer(value, index)
+    return out
+
+
 def run_layers(params: dict, config: TargetConfig, x, positions, cache, starts, doc_starts, taps):
     """Every decoder layer over x `[B, T, D]` -> (x after the last layer, the requested taps, cache).
 
     Scanned (`config.scans_layers`, stacked params and cache): one `jax.lax.scan` step per layer over the stacked
-    parameters, the cache's stacked k/v and each layer's window; the tapped streams go into a `[len(taps) + 1,
-    B, T, D]` buffer carried along (one extra row takes every untapped layer), so no layer's activations are
-    kept otherwise. Otherwise: the same layer function called once per layer (`_layer_call`), on per-layer
-    parameter trees (`unstack_layers`, which placement does once on CPU; stacked params are sliced here)."""
+    parameters and each layer's window, the stacked cache carried along and written and read at the step's layer
+    index in place; packed kernels (`split_packed`) are not sliced but read by the kernel at that index. The
+    tapped streams go into a `[len(taps) + 1, B, T, D]` buffer carried along (one extra row takes every untapped
+    layer), so no layer's activations are kept otherwise. Otherwise: the same layer function called once per layer
+    (`_layer_call`), on per-layer parameter trees (`unstack_layers`, which placement does once where the decoder
+    does not scan; stacked params are sliced here)."""
     layers, num = params["layers"], config.num_layers
     if config.scans_layers and stacked_layers(layers):
         if isinstance(cache.k, tuple):
@@ -198,16 +228,18 @@ def run_layers(params: dict, config: TargetConfig, x, positions, cache, starts, 
         streams = jnp.zeros((len(taps) + 1, *x.shape), x.dtype).at[slot[0]].set(x)
         windows = jnp.asarray([config.layer_window(i) or FULL_ATTENTION for i in range(num)], jnp.int32)
 
-        def step(carry, scanned):
-            x, streams = carry
-            layer, k, v, window, out_slot = scanned
-            x, view = decoder_layer(
-                layer, config, window, x, positions, cache.replace(k=(k,), v=(v,)), starts, doc_starts
-            )
-            return (x, streams.at[out_slot].set(x)), (view.k[0], view.v[0])
+        sliced, packed = split_packed(layers)
 
-        (x, streams), (k, v) = jax.lax.scan(step, (x, streams), (layers, cache.k, cache.v, windows, slot[1:]))
-        return x, tuple(streams[j] for j in range(len(taps))), cache.replace(k=k, v=v)
+        def step(carry, scanned):
+            x, streams, cache = carry
+            layer, window, out_slot, index = scanned
+            layer = with_packed(layer, packed, index)
+            x, cache = decoder_layer(layer, config, window, x, positions, cache, starts, doc_starts, index)
+            return (x, streams.at[out_slot].set(x), cache), None
+
+        scanned = (sliced, windows, slot[1:], jnp.arange(num, dtype=jnp.int32))
+        (x, streams, cache), _ = jax.lax.scan(step, (x, streams, cache), scanned)
+        return x, tuple(streams[j] for j in range(len(taps))), cache
     per_layer = unstack_layers(layers, num) if stacked_layers(layers) else layers
     streams = [x]
     for i in range(num):

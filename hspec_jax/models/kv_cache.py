@@ -70,10 +70,20 @@ class KVBuffers:
         """(keys, values) of decoder layer i, each `[B, S, K, H]`."""
         return self.k[i], self.v[i]
 
-    def write(self, i: int, k: jax.Array, v: jax.Array, starts: jax.Array):
-        """Write layer i's new rows k, v `[B, T, K, H]` at rows `starts[b] + t` (rows past S dropped)."""
-        k_new, v_new = write_rows(self.k[i], k, starts), write_rows(self.v[i], v, starts)
-        return self.replace(k=put_layer(self.k, i, k_new), v=put_layer(self.v, i, v_new))
+    def in_place(self, i) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """What attention reads for layer i (`blocked_attention`'s k, v and layer): the stacked k and v `[L, B, S, K,
+        H]` and i where the layers are stacked (read in place, block by block), else layer i's arrays and None."""
+        if isinstance(self.k, tuple):
+            return self.k[i], self.v[i], None
+        return self.k, self.v, i
+
+    def write(self, i, k: jax.Array, v: jax.Array, starts: jax.Array):
+        """Write layer i's new rows k, v `[B, T, K, H]` at rows `starts[b] + t` (rows past S dropped). In stacked
+        layers i may be traced, and the rows go straight into the stack (in place under a scan's carry)."""
+        if isinstance(self.k, tuple):
+            k_new, v_new = write_rows(self.k[i], k, starts), write_rows(self.v[i], v, starts)
+            return self.replace(k=put_layer(self.k, i, k_new), v=put_layer(self.v, i, v_new))
+        return self.replace(k=write_rows(self.k, k, starts, i), v=write_rows(self.v, v, starts, i))
 
     def slot(self, s: jax.Array):
         """Sequence `s` (a traced index) alone: batch 1, its rows copied out (the paged pool's accessor)."""
@@ -112,12 +122,14 @@ def init_cache(config: TargetConfig, batch_size: int, capacity: int, dtype=None)
     )
 
 
-def write_rows(buffer: jax.Array, rows: jax.Array, starts: jax.Array) -> jax.Array:
-    """Write `rows [B, T, ...]` into `buffer [B, S, ...]` at rows `starts[b] + t`; rows past S are dropped."""
+def write_rows(buffer: jax.Array, rows: jax.Array, starts: jax.Array, layer=None) -> jax.Array:
+    """Write `rows [B, T, ...]` into `buffer [B, S, ...]` (or into layer `layer` of a stacked `[L, B, S, ...]`) at
+    rows `starts[b] + t`; rows past S are dropped."""
     b, t = rows.shape[:2]
     row_ids = starts[:, None] + jnp.arange(t)[None, :]  # [B, T]
     batch_ids = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-    return buffer.at[batch_ids, row_ids].set(rows.astype(buffer.dtype), mode="drop")
+    index = (batch_ids, row_ids) if layer is None else (layer, batch_ids, row_ids)
+    return buffer.at[index].set(rows.astype(buffer.dtype), mode="drop")
 
 
 def commit(cache: KVCache, num_rows: jax.Array) -> KVCache:

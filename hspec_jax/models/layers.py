@@ -27,8 +27,8 @@ def dense(features: int, name: str | None = None, *, bias: bool = False, dtype: 
 
 class Linear(nn.Module):
     """`x @ kernel + bias`, kernel `[in, out]` (flax's `nn.Dense` layout and numbers). Where `for_backend` packed
-    the kernel (`packed_kernel [out / 16, in, 16]`, see `hspec_jax.kernels.cpu_matmul`), the product runs on the
-    packed CPU kernel instead."""
+    the kernel (`packed_kernel [out / 16, in, 16]`, or a scanned decoder step's `cpu_matmul.StackedLayer` of the
+    stacked kernels, see `hspec_jax.kernels.cpu_matmul`), the product runs on the packed CPU kernel instead."""
 
     features: int
     use_bias: bool = False
@@ -44,7 +44,7 @@ class Linear(nn.Module):
         if self.has_variable("params", "packed_kernel"):
             packed = self.get_variable("params", "packed_kernel")
             if start % cpu_matmul.COLUMNS == 0:
-                y = cpu_matmul.packed_matmul(x, packed[start // cpu_matmul.COLUMNS :])
+                y = cpu_matmul.packed_matmul(x, packed, first_block=start // cpu_matmul.COLUMNS)
             else:
                 y = cpu_matmul.packed_matmul(x, packed)[..., start:]
             y = y.astype(self.dtype)
@@ -129,7 +129,8 @@ NOT_LINEAR = frozenset({"conv1d"})
 
 def pack_linear_layers(params: dict) -> dict:
     """The same model with every fp32 linear layer's kernel packed for the CPU kernel (`hspec_jax.kernels.cpu_matmul`):
-    `{"kernel" [K, N]}` becomes `{"packed_kernel" [N / 16, K, 16]}` where N is a multiple of 16, and the output
+    `{"kernel" [K, N]}` becomes `{"packed_kernel" [N / 16, K, 16]}` where N is a multiple of 16 (stacked layers'
+    `[L, K, N]`: `[L, N / 16, K, 16]`), and the output
     projection gets a packed copy, `packed_lm_head` (a top-level `lm_head [V, D]` is replaced by it; a tied
     embedding stays for the token lookup, so a tied model holds its table twice). New arrays; the input tree is
     left as it is."""
@@ -155,12 +156,13 @@ def _pack(tree, top: bool = False):
 
 def for_backend(params: dict, pack: bool | None = None) -> dict:
     """Params as the engines run them on a single device of the current backend: on CPU and GPU fused
-    projections (`fuse_projections`) and, where the decoder does not scan (`scan_layers_default`), the stacked
-    layers split into one tree per layer (`unstack_layers`: a per-layer program on slices of the stack compiles
-    9x longer on GPU, 33 s for Llama-3.1-8B on an H200, benchmarks/results/scan_layers_h200_llama8b.md);
-    unchanged on TPU (and sharded runs keep the checkpoint's layout). On CPU, where the packed matmul kernel runs
-    (`pack`: None = `cpu_matmul.available()`), the linear layers packed for it (`pack_linear_layers`): a forward over
-    8 tokens then costs about 1.3-1.6x one over a single token, not 1.7-2.4x (benchmarks/results/packed_matmul.md).
+    projections (`fuse_projections`) and, where the decoder does not scan (`scan_layers_default`: GPU, or a CPU
+    without the packed kernel), the stacked layers split into one tree per layer (`unstack_layers`: a per-layer
+    program on slices of the stack compiles 9x longer on GPU, 33 s for Llama-3.1-8B on an H200,
+    benchmarks/results/scan_layers_h200_llama8b.md); unchanged on TPU (and sharded runs keep the checkpoint's
+    layout). On CPU, where the packed matmul kernel runs (`pack`: None = `cpu_matmul.available()`), the linear
+    layers packed for it (`pack_linear_layers`, stacked layers per layer): a forward over 8 tokens then costs about
+    1.3-1.6x one over a single token, not 1.7-2.4x (benchmarks/results/packed_matmul.md).
     Idempotent: a placed tree comes back with the same arrays."""
     if jax.default_backend() not in ("cpu", "gpu"):
         return params

@@ -59,8 +59,13 @@ class PagedBuffers:
 
         return gather(self.k[i]), gather(self.v[i])
 
-    def write(self, i: int, k: jax.Array, v: jax.Array, starts: jax.Array):
-        """Write layer i's new rows k, v `[B, T, K, H]` at rows `starts[b] + t` into their pages."""
+    def in_place(self, i) -> tuple[jax.Array, jax.Array, None]:
+        """What attention reads for layer i: the dense view of `layer(i)` (pages are gathered, never read in place)."""
+        return *self.layer(i), None
+
+    def write(self, i, k: jax.Array, v: jax.Array, starts: jax.Array):
+        """Write layer i's new rows k, v `[B, T, K, H]` at rows `starts[b] + t` into their pages (i may be traced
+        where the pools are stacked)."""
         rows = starts[:, None] + jnp.arange(k.shape[1])[None, :]  # [B, T]
         logical = rows // self.page_size
         m = self.page_table.shape[1]
@@ -68,11 +73,12 @@ class PagedBuffers:
         pages = jnp.where(logical < m, pages, self.num_pages)  # past the table: out of bounds, dropped
         offsets = rows % self.page_size
 
-        def put(pool, new):
-            return pool.at[pages, offsets].set(new.astype(pool.dtype), mode="drop")
+        def put(pool, new, *layer):
+            return pool.at[(*layer, pages, offsets)].set(new.astype(pool.dtype), mode="drop")
 
-        k_pool, v_pool = put(self.k[i], k), put(self.v[i], v)
-        return self.replace(k=put_layer(self.k, i, k_pool), v=put_layer(self.v, i, v_pool))
+        if not isinstance(self.k, tuple):  # stacked pools: straight into layer i (traced under a scan)
+            return self.replace(k=put(self.k, k, i), v=put(self.v, v, i))
+        return self.replace(k=put_layer(self.k, i, put(self.k[i], k)), v=put_layer(self.v, i, put(self.v[i], v)))
 
     def slot(self, s: jax.Array):
         """Sequence `s` (a traced index) alone, batch 1, over the same pool."""

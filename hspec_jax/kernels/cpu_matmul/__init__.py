@@ -11,17 +11,20 @@ Modules:
 * `native`: building (once, into `build/` beside the source), loading and registering the C++ kernel.
 
 Entry points: `available()` says whether the kernel runs here, `kernel_path()` which path it takes;
-`packed_matmul(x, packed)` multiplies, with the kernel where it runs and the reference elsewhere.
+`packed_matmul(x, packed)` multiplies, with the kernel where it runs and the reference elsewhere; `packed` may be
+a `StackedLayer`, one layer of stacked kernels read in place.
 `hspec_jax.models.layers.for_backend` packs a model's linear layers on CPU where the kernel is available.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hspec_jax.kernels.cpu_matmul import native
 from hspec_jax.kernels.cpu_matmul.reference import (
@@ -37,6 +40,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "COLUMNS",
+    "StackedLayer",
     "available",
     "kernel_path",
     "pack",
@@ -71,18 +75,34 @@ def kernel_path() -> str | None:
     return "avx512f" if native.vector_bits() == 512 else "avx2"
 
 
-def packed_matmul(x: jax.Array, packed: jax.Array, impl: str | None = None) -> jax.Array:
-    """`x [..., K]` (fp32) times the packed kernel `[N / 16, K, 16]` -> fp32 `[..., N]`. `impl`: "native" (the C++
-    kernel), "reference" (`jnp`), or None: native where `available()`, else the reference."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackedLayer:
+    """Layer `index` (a traced int32 scalar) of every layer's packed kernels stacked, `stack [L, N / 16, K, 16]`: what
+    a scanned decoder step hands its linear layers, so the kernel reads that layer's weights where they lie instead
+    of XLA copying them out of the stack first."""
+
+    stack: jax.Array
+    index: jax.Array
+
+
+def packed_matmul(
+    x: jax.Array, packed: jax.Array | StackedLayer, impl: str | None = None, first_block: int = 0
+) -> jax.Array:
+    """`x [..., K]` (fp32) times the packed kernel `[N / 16, K, 16]` (or a `StackedLayer` of such kernels), from its
+    block `first_block` on -> fp32 `[..., N - 16 * first_block]`. `impl`: "native" (the C++ kernel), "reference"
+    (`jnp`), or None: native where `available()`, else the reference."""
     impl = impl or ("native" if available() else "reference")
+    stack, index = (packed.stack, packed.index) if isinstance(packed, StackedLayer) else (packed, None)
     if impl == "reference":
-        return packed_matmul_reference(x, packed)
+        return packed_matmul_reference(x, (stack if index is None else stack[index])[first_block:])
     if impl != "native":
         raise ValueError(f"impl must be 'native', 'reference' or None, got {impl!r}")
     native.load()
-    k, n = packed.shape[1], packed.shape[0] * COLUMNS
+    k, n = stack.shape[-2], (stack.shape[-3] - first_block) * COLUMNS
     rows = x.reshape(-1, k).astype(jnp.float32)
     call = jax.ffi.ffi_call(
         native.TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32), vmap_method="sequential"
     )
-    return call(rows, packed).reshape(*x.shape[:-1], n)
+    layer = jnp.zeros((), jnp.int32) if index is None else jnp.asarray(index, jnp.int32)
+    return call(rows, stack, layer, first_block=np.int64(first_block)).reshape(*x.shape[:-1], n)

@@ -30,7 +30,8 @@ namespace ffi = xla::ffi;
 namespace {
 
 using Rows = ffi::Buffer<ffi::F32, 2>;
-using Packed = ffi::Buffer<ffi::F32, 3>;
+using Weights = ffi::Buffer<ffi::F32>;     // [N / 16, K, 16], or stacked [L, N / 16, K, 16]
+using Index = ffi::Buffer<ffi::S32, 0>;  // a layer of stacked weights
 
 constexpr int64_t kColumns = 16;  // one block: two 8-float AVX registers per row
 constexpr int64_t kRows = 4;      // rows per pass over a block: 4 x 2 accumulators, 2 weight registers
@@ -152,17 +153,33 @@ struct Blocks {
   }
 };
 
-ffi::Error PackedMatmul(ffi::ThreadPool pool, Rows x, Packed w, ffi::Result<Rows> y) {
+// y = x @ W for W the blocks `first_block ..` of layer `layer` of `w`: `w` is one layer's packed kernel
+// [N / 16, K, 16], or every layer's stacked [L, N / 16, K, 16], read in place (a scanned decoder passes the whole
+// stack and its step's layer index, so XLA does not copy the layer's weights out before the call).
+ffi::Error PackedMatmul(ffi::ThreadPool pool, Rows x, Weights w, Index layer, int64_t first_block,
+                        ffi::Result<Rows> y) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
-  const int64_t count = w.dimensions()[0];
-  if (w.dimensions()[1] != K || w.dimensions()[2] != kColumns) {
-    return ffi::Error::InvalidArgument("packed_matmul: weights must be [N / 16, K, 16] with K = x.shape[1]");
+  const auto dims = w.dimensions();
+  const int64_t rank = static_cast<int64_t>(dims.size());
+  if ((rank != 3 && rank != 4) || dims[rank - 2] != K || dims[rank - 1] != kColumns) {
+    return ffi::Error::InvalidArgument(
+        "packed_matmul: weights must be [N / 16, K, 16] or [L, N / 16, K, 16] with K = x.shape[1]");
+  }
+  const int64_t layers = rank == 4 ? dims[0] : 1, per_layer = dims[rank - 3];
+  const int64_t index = *layer.typed_data();
+  if (index < 0 || index >= layers) return ffi::Error::InvalidArgument("packed_matmul: layer index out of range");
+  if (first_block < 0 || first_block > per_layer) {
+    return ffi::Error::InvalidArgument("packed_matmul: first_block out of range");
+  }
+  const int64_t count = per_layer - first_block;
+  if (y->dimensions()[1] != count * kColumns) {
+    return ffi::Error::InvalidArgument("packed_matmul: output must have 16 columns per block read");
   }
   if (M == 0 || count == 0) return ffi::Error::Success();
   auto blocks = std::make_shared<Blocks>();
   blocks->block = ChosenBlockFn();
   blocks->x = x.typed_data();
-  blocks->w = w.typed_data();
+  blocks->w = w.typed_data() + (index * per_layer + first_block) * K * kColumns;
   blocks->y = y->typed_data();
   blocks->M = M;
   blocks->K = K;
@@ -185,5 +202,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HspecPackedMatmul, PackedMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Rows>()
-                                  .Arg<Packed>()
+                                  .Arg<Weights>()
+                                  .Arg<Index>()
+                                  .Attr<int64_t>("first_block")
                                   .Ret<Rows>());

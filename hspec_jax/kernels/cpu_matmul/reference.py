@@ -14,14 +14,15 @@ COLUMNS = 16  # columns per packed block (two AVX registers of 8 floats)
 
 
 def packable(kernel: jax.Array) -> bool:
-    """Whether a `[K, N]` kernel has a packed form the native kernel runs: fp32 and N a multiple of 16."""
-    return kernel.ndim == 2 and kernel.dtype == jnp.float32 and kernel.shape[1] % COLUMNS == 0
+    """Whether a `[K, N]` kernel (or a stack of them, `[L, K, N]`) has a packed form the native kernel runs: fp32 and
+    N a multiple of 16."""
+    return kernel.ndim in (2, 3) and kernel.dtype == jnp.float32 and kernel.shape[-1] % COLUMNS == 0
 
 
 def pack(kernel: jax.Array) -> jax.Array:
-    """`[K, N]` -> `[N / 16, K, 16]` (a new array)."""
-    k, n = kernel.shape
-    return kernel.reshape(k, n // COLUMNS, COLUMNS).transpose(1, 0, 2)
+    """`[..., K, N]` -> `[..., N / 16, K, 16]` (a new array; leading axes, such as a layer axis, kept)."""
+    *lead, k, n = kernel.shape
+    return jnp.swapaxes(kernel.reshape(*lead, k, n // COLUMNS, COLUMNS), -3, -2)
 
 
 def pack_rows(rows: jax.Array) -> jax.Array:
@@ -31,9 +32,9 @@ def pack_rows(rows: jax.Array) -> jax.Array:
 
 
 def unpack(packed: jax.Array) -> jax.Array:
-    """`[N / 16, K, 16]` -> the kernel `[K, N]`."""
-    blocks, k, columns = packed.shape
-    return packed.transpose(1, 0, 2).reshape(k, blocks * columns)
+    """`[..., N / 16, K, 16]` -> the kernel `[..., K, N]`."""
+    *lead, blocks, k, columns = packed.shape
+    return jnp.swapaxes(packed, -3, -2).reshape(*lead, k, blocks * columns)
 
 
 def packed_matmul_reference(x: jax.Array, packed: jax.Array) -> jax.Array:
