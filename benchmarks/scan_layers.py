@@ -134,7 +134,7 @@ def engine_lines(config, params, new_tokens: int, rounds: int) -> list[str]:
         f"Plain decoding and the shipped drafter (smollm2-hspec) at k = 7, greedy, batch 1, {len(prompts)} prompts "
         f"(benchmarks/common.py) x up to {new_tokens} new tokens; a prompt's decode time is the median of {rounds} "
         "warm runs taken in rounds over the four engines, summed over the prompts. Compile: the engine's build "
-        "(prefill and decoding chunk; k = 7 includes measuring nothing: fixed draft length).",
+        "(prefill and decoding chunk; a fixed k measures no cost table), the persistent compilation cache off.",
         "",
         "| method | decoder | compile (s) | decode tokens/s | scanned / per layer | output = plain per layer |",
         "|---|---|---|---|---|---|",

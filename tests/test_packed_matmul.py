@@ -217,11 +217,13 @@ def test_native_kernel_reads_one_layer_of_a_stack(first_block):
 
 
 @needs_kernel
-def test_a_scanned_step_copies_no_layer_weights_nor_cache():
+@pytest.mark.parametrize("capacity", [128, 512])
+def test_a_scanned_step_copies_no_layer_weights_nor_cache(capacity):
     """The point of scanning on CPU: in the compiled decoding step no packed kernel is sliced out of its stack and
-    no layer of the (donated) cache is copied whole; attention reads key blocks of 128 rows."""
+    neither a layer of the (donated) cache nor the stack is copied whole; attention reads key blocks of at most
+    128 rows, and of at most half the rows where the cache has 128."""
     params = for_backend(init_params(TARGET, jax.random.key(0)))
-    cache = init_cache(TARGET, 2, 512)
+    cache = init_cache(TARGET, 2, capacity)
     step = jax.jit(lambda p, t, c: forward(p, TARGET, t, c), donate_argnums=2)
     hlo = step.lower(params, jnp.ones((2, 1), jnp.int32), cache).compile().as_text()
     sliced = {m.group(1) for m in re.finditer(r"f32\[([\d,]+)\][^=]*= *f32\[[\d,]+\][^ ]* dynamic-slice\(", hlo)}

@@ -42,14 +42,18 @@ def blocked_attention(
     query must see at least one row. Returns `[B, T, N, H]` in q.dtype, equal (up to float rounding) to
     `dot_product_attention` with the mask `first_row <= j <= last_row`.
     """
-    if layer is None:
+    whole = layer is None  # k and v are the layer's own arrays: a block may span every row
+    if whole:
         k, v, layer = k[None], v[None], 0
     b, t, n, h = q.shape
     s, kv_heads = k.shape[2], k.shape[3]
     g = n // kv_heads
     if first_row is None:
         first_row = jnp.zeros_like(last_row)
-    bq, bk = min(block_q, t), min(block_k, s)
+    # Read in place from a stack, a key block spans at most half the rows: a block of every row lets XLA fuse the
+    # cache row this step wrote into the read and copy the whole stack to keep the old rows, every layer (a SmolLM2
+    # decoding step at 128 rows of cache: 24.9-28.1 ms against 19.7 ms with half-size blocks).
+    bq, bk = min(block_q, t), min(block_k, s if whole else max(s // 2, 1))
     num_q = -(-t // bq)
     pad = num_q * bq - t
     # Padded queries repeat the last real one (a valid, discarded computation).
