@@ -180,7 +180,8 @@ def main(argv=None) -> int:
         "",
         f"{jax.default_backend()} backend, CPU: {cpu_model()}, {os.cpu_count()} cores. Command: "
         f"`python -m benchmarks.scan_layers --rounds {args.rounds} --capacity {args.capacity} --target {args.target}"
-        f"{' --xla-dots' if args.xla_dots else ''}`. {name}, {config.num_layers} layers, batch 1, cache "
+        f"{' --xla-dots' if args.xla_dots else ''}"
+        f"{f' --engines {args.engines}' if args.engines else ''}`. {name}, {config.num_layers} layers, batch 1, cache "
         f"{args.capacity} rows half full, fused projections, linear layers on "
         f"{f'the packed CPU kernel ({cpu_matmul.kernel_path()} path)' if pack else 'XLA dots'}; "
         f"steps: median of {args.rounds} interleaved rounds of 10.",
