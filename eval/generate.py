@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         progress(f"loading {args.target} ...")
         _, params = interrupt.wait_for(load_target, args.target)
         # Placed once: both engines of --compare then read the same weights (one copy in memory, not two).
-        params = Placement(mesh, config.head_dim).params(params)
+        params = Placement(mesh, config).params(params)
         pad_id = config.pad_token_id if config.pad_token_id is not None else 0
         tokens, lengths = pad_batch(ids, pad_id)
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)

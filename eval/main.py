@@ -174,7 +174,7 @@ class Evaluation:
         self.target, self.methods, self.args, self.results = target, methods, args, results_file
         # Each compilation places the params as the backend runs them (`for_backend`: new fused arrays on CPU);
         # placing them once here lets every compiled (method, shape) share one copy of the weights.
-        self.target_params = for_backend(target.params)
+        self.target_params = for_backend(target.params, scan=target.config.scans_layers)
         self.drafter_params: dict[int, dict] = {}
         for method in methods:
             if method.drafter is not None and id(method.drafter[1]) not in self.drafter_params:

@@ -8,6 +8,7 @@ import pytest
 
 from hspec_jax.checkpoints import load_target, save_target
 from hspec_jax.checkpoints.orbax_io import save_pytree
+from hspec_jax.decoding.placement import Placement
 from hspec_jax.models import TargetConfig, forward, init_cache, init_params, layer_params
 from hspec_jax.models import config as config_module
 from hspec_jax.models.decoder import per_layer_names, stacked_layers
@@ -95,8 +96,10 @@ def test_one_layer_is_traced_whatever_the_depth():
 
 def test_placement_follows_the_backends_default(monkeypatch):
     """Where the decoder scans (TPU; CPU with the packed kernel) placement keeps the layers stacked; where it does
-    not (GPU; a CPU without the kernel, as here) it gives one tree per layer, once."""
+    not (GPU; a CPU without the kernel, as here; a config with scan_layers=False) it gives one tree per layer, once."""
     params = init_params(TARGET, jax.random.key(0))
+    for scan in (False, True):  # a config that says how its decoder runs is placed for it, whatever the default
+        assert stacked_layers(Placement(None, TARGET.replace(scan_layers=scan)).params(params)["layers"]) == scan
     if config_module.scan_layers_default():
         assert stacked_layers(for_backend(params, pack=False)["layers"])  # packing: tests/test_packed_matmul.py
     monkeypatch.setattr(config_module, "scan_layers_default", lambda: False)

@@ -180,7 +180,7 @@ def generate(
     prompts = pad_to_width(jnp.asarray(prompts), width, pad_id)
     rng = jax.random.key(0) if rng is None else rng
     first_rng, loop_rng = jax.random.split(rng)
-    place = Placement(mesh, config.head_dim)
+    place = Placement(mesh, config)
     params, (prompts, lengths) = place.params(params), place.batch(prompts, lengths)
     cache = place.kv(init_cache(config, prompts.shape[0], capacity))
     pre = prefill(params, config, prompts, lengths, cache, first_rng, sampling)

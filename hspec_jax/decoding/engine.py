@@ -116,7 +116,7 @@ def compile_autoregressive(
 ) -> Engine:
     """Compile prefill and a decoding chunk ahead of time; each `start()` uses a fresh cache."""
     first_rng, loop_rng = jax.random.split(jax.random.key(seed))
-    place = Placement(mesh, config.head_dim)
+    place = Placement(mesh, config)
     params, (tokens, lengths) = place.params(params), place.batch(tokens, lengths)
 
     def fresh_cache():
@@ -165,7 +165,7 @@ def compile_speculative(
     measured here for this machine and shape (`costs.py`), and each generation starts from the prior the last
     finished one learnt (`policy.py`; the first from the policy's own)."""
     rng = jax.random.key(seed)
-    place = Placement(mesh, bundle.target.head_dim)
+    place = Placement(mesh, bundle.target)
     bundle = place.bundle(bundle)
     tokens, lengths = place.batch(tokens, lengths)
 

@@ -10,14 +10,18 @@ from hspec_jax.models.layers import for_backend
 
 
 class Placement:
-    """Put params / batch / caches on the mesh (without one: params as `for_backend` gives them, the rest as is)."""
+    """Put params / batch / caches on the mesh (without one: params as `for_backend` gives them for the target
+    `config`'s decoder, scanned or per layer, the rest as is)."""
 
-    def __init__(self, mesh, head_dim):
-        self.mesh, self.head_dim = mesh, head_dim
+    def __init__(self, mesh, config):
+        self.mesh, self.head_dim, self.scan = mesh, config.head_dim, config.scans_layers
 
     def params(self, params):
-        """Sharded on the mesh; on one device, as the backend runs them best (`for_backend`: fused on CPU)."""
-        return for_backend(params) if self.mesh is None else parallel.shard_params(params, self.mesh, self.head_dim)
+        """Sharded on the mesh; on one device, as the backend runs them best (`for_backend`: fused on CPU, the layers
+        stacked where the decoder scans them, one tree per layer where it does not)."""
+        if self.mesh is None:
+            return for_backend(params, scan=self.scan)
+        return parallel.shard_params(params, self.mesh, self.head_dim)
 
     def bundle(self, bundle: Bundle) -> Bundle:
         """`bundle` with both models' params placed as `params` places them (the vocabulary as it is)."""

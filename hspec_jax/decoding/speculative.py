@@ -667,7 +667,7 @@ def speculative_generate(
     rng = jax.random.key(0) if rng is None else rng
     choices_of(drafter, policy)
 
-    place = Placement(mesh, target.head_dim)
+    place = Placement(mesh, target)
     bundle = place.bundle(bundle)
     prompts, lengths = place.batch(prompts, lengths)
 

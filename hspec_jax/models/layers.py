@@ -154,15 +154,16 @@ def _pack(tree, top: bool = False):
     return out
 
 
-def for_backend(params: dict, pack: bool | None = None) -> dict:
-    """Params as the engines run them on a single device of the current backend: on CPU and GPU fused
-    projections (`fuse_projections`) and, where the decoder does not scan (`scan_layers_default`: GPU, or a CPU
+def for_backend(params: dict, pack: bool | None = None, scan: bool | None = None) -> dict:
+    """Params as the engines run them on a single device of the current backend: on CPU and GPU fused projections
+    (`fuse_projections`) and, where the decoder does not scan (`scan`, None = `scan_layers_default`: GPU, or a CPU
     without the packed kernel), the stacked layers split into one tree per layer (`unstack_layers`: a per-layer
-    program on slices of the stack compiles 9x longer on GPU, 33 s for Llama-3.1-8B on an H200,
-    benchmarks/results/scan_layers_h200_llama8b.md); unchanged on TPU (and sharded runs keep the checkpoint's
-    layout). On CPU, where the packed matmul kernel runs (`pack`: None = `cpu_matmul.available()`), the linear
-    layers packed for it (`pack_linear_layers`, stacked layers per layer): a forward over 8 tokens then costs about
-    1.3-1.6x one over a single token, not 1.7-2.4x (benchmarks/results/packed_matmul.md).
+    program on slices of the stack compiles 9x longer on GPU, 33 s for Llama-3.1-8B on an H200, and reads copies of
+    the packed weights on CPU, 3-5x slower: benchmarks/results/scan_layers*.md); unchanged on TPU (and sharded runs
+    keep the checkpoint's layout). On CPU, where the packed matmul kernel runs (`pack`: None =
+    `cpu_matmul.available()`), the linear layers packed for it (`pack_linear_layers`, stacked layers per layer): a
+    forward over 8 tokens then costs about 1.3-1.6x one over a single token, not 1.7-2.4x
+    (benchmarks/results/packed_matmul.md).
     Idempotent: a placed tree comes back with the same arrays."""
     if jax.default_backend() not in ("cpu", "gpu"):
         return params
@@ -171,7 +172,9 @@ def for_backend(params: dict, pack: bool | None = None) -> dict:
 
     params = fuse_projections(params)
     layers = params.get("layers")
-    if layers is not None and stacked_layers(layers) and not scan_layers_default():
+    if scan is None:
+        scan = scan_layers_default()
+    if layers is not None and stacked_layers(layers) and not scan:
         params = {**params, "layers": unstack_layers(layers, len(jax.tree.leaves(layers)[0]))}
     if pack is None:
         pack = jax.default_backend() == "cpu" and cpu_matmul.available()

@@ -298,9 +298,10 @@ class ServingEngine:
             check_target(bundle.drafter, bundle.target)
         if config.policy is not None and (bundle.drafter is None or costs is None):
             raise ValueError("an adaptive draft length needs a drafter and a cost table (costs)")
-        # Params as the backend runs them best, as every decoding driver places them (on CPU fused projections and
-        # one tree per layer: on slices of the stacked tree a per-layer step reads copies of every layer's weights).
-        bundle = Placement(None, bundle.target.head_dim).bundle(bundle)
+        # Params as the backend runs them best, as every decoding driver places them (fused projections on CPU; one
+        # tree per layer where the decoder does not scan: on slices of the stacked tree a per-layer step reads copies
+        # of every layer's weights).
+        bundle = Placement(None, bundle.target).bundle(bundle)
         self.bundle, self.config, self.clock = bundle, config, clock
         self.costs, self.on_tokens = costs, on_tokens
         c = config
