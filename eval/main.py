@@ -60,6 +60,7 @@ from hspec_jax.cli import (
 )
 from hspec_jax.decoding import Bundle, SamplingConfig, bucketed_shapes, pad_batch
 from hspec_jax.decoding.engine import compile_autoregressive, compile_speculative, generate_streaming
+from hspec_jax.decoding.placement import Placement
 from hspec_jax.decoding.policy import AdaptivePolicy
 from hspec_jax.drafter_spec import drafter_config, load_drafter
 from hspec_jax.machine import machine_facts
@@ -174,7 +175,7 @@ class Evaluation:
         self.target, self.methods, self.args, self.results = target, methods, args, results_file
         # Each compilation places the params as the backend runs them (`for_backend`: new fused arrays on CPU);
         # placing them once here lets every compiled (method, shape) share one copy of the weights.
-        self.target_params = for_backend(target.params, scan=target.config.scans_layers)
+        self.target_params = Placement(None, target.config).params(target.params)
         self.drafter_params: dict[int, dict] = {}
         for method in methods:
             if method.drafter is not None and id(method.drafter[1]) not in self.drafter_params:

@@ -214,14 +214,16 @@ def test_native_kernel_reads_one_layer_of_a_stack(first_block):
             np.testing.assert_allclose(np.asarray(run(jnp.int32(i), impl)), expected, rtol=1e-5, atol=1e-4)
     with pytest.raises(Exception, match="layer index out of range"):
         jax.block_until_ready(run(jnp.int32(4), "native"))
+    with pytest.raises(ValueError, match="StackedLayer"):  # a bare stack names no layer
+        cpu_matmul.packed_matmul(x, stack)
 
 
 @needs_kernel
 @pytest.mark.parametrize("capacity", [128, 512])
 def test_a_scanned_step_copies_no_layer_weights_nor_cache(capacity):
     """The point of scanning on CPU: in the compiled decoding step no packed kernel is sliced out of its stack and
-    neither a layer of the (donated) cache nor the stack is copied whole; attention reads key blocks of at most
-    128 rows, and of at most half the rows where the cache has 128."""
+    neither a layer of the (donated) cache nor the stack is copied whole (at 128 rows, a key block of every row
+    made XLA copy the stack)."""
     params = for_backend(init_params(TARGET, jax.random.key(0)))
     cache = init_cache(TARGET, 2, capacity)
     step = jax.jit(lambda p, t, c: forward(p, TARGET, t, c), donate_argnums=2)

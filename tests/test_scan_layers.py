@@ -96,7 +96,8 @@ def test_one_layer_is_traced_whatever_the_depth():
 
 def test_placement_follows_the_backends_default(monkeypatch):
     """Where the decoder scans (TPU; CPU with the packed kernel) placement keeps the layers stacked; where it does
-    not (GPU; a CPU without the kernel, as here; a config with scan_layers=False) it gives one tree per layer, once."""
+    not (GPU; a CPU without the kernel, as the patched default says; a config with scan_layers=False) it gives one
+    tree per layer, once."""
     params = init_params(TARGET, jax.random.key(0))
     for scan in (False, True):  # a config that says how its decoder runs is placed for it, whatever the default
         assert stacked_layers(Placement(None, TARGET.replace(scan_layers=scan)).params(params)["layers"]) == scan

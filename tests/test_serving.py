@@ -202,8 +202,8 @@ def test_continuous_batching_is_lossless(kind, adaptive, target_params, prompts,
 def test_dense_layout_is_lossless_and_never_preempts(kind, target_params, prompts, alone):
     """The dense layout (one contiguous cache row per slot, the data engine's): six requests on two slots, long
     prompts in chunks: every answer equals decoding it alone, nothing is preempted, and a page count is refused.
-    The engine runs the params as every decoding driver places them (`for_backend`: on CPU fused projections and
-    one tree per layer, not slices of the stacked tree)."""
+    The engine runs the params as every decoding driver places them (`Placement`: fused projections on CPU, the
+    layers stacked where the decoder scans them, one tree per layer where it does not)."""
     bundle = served_bundle(kind, target_params, prompts)
     config = dataclasses.replace(small_pool_config(bundle, prompts), num_pages=None, layout="dense")
     engine = ServingEngine(bundle, config)

@@ -40,9 +40,9 @@ def scan_layers_default() -> bool:
     elsewhere. Measured:
     * CPU with the packed kernel (`hspec_jax.kernels.cpu_matmul`): a scan step hands each linear layer the whole
       stacked kernel and its layer index, and attention reads the stacked cache at the layer index block by block,
-      so nothing is copied out of the stacks; a SmolLM2 forward then costs 0.86-1.06x the per-layer one over 1-8
-      tokens at 256-2048 rows of cache, and compiles in 0.7-1.0 s instead of 2.2-3.5 s
-      (benchmarks/results/scan_layers.md).
+      so nothing is copied out of the stacks; a SmolLM2 forward then costs 0.92x (1 token) and 0.98x (8 tokens) the
+      per-layer one at 1024 rows of cache and compiles in 0.5-0.7 s instead of 2.7-2.9 s, and whole engines decode
+      at 0.99-1.06x (plain) and 1.01-1.03x (k = 7) the per-layer speed (benchmarks/results/scan_layers.md).
     * CPU with XLA's dots (no packed kernel): XLA copies each layer's weights out of the stacked arrays inside the
       scan, a decoding step 1.26-1.31x slower at 128-512 rows of cache (benchmarks/results/scan_layers_by_capacity.md).
     * GPU: a Llama-3.1-8B step 1.61x slower on one H200 (benchmarks/results/scan_layers_h200_llama8b.md), where the

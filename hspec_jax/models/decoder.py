@@ -265,7 +265,7 @@ def forward(
     [B, P]`), `hidden` one `[B, T, D]` per tap id in `taps`, and the cache. `positions [B, T]` (optional, training
     on packed rows): each token's position within its document, which starts at row `row - position`: RoPE uses
     it and no token attends across documents. `params["layers"]` is the stacked layer tree (or, as placement
-    gives it on CPU, a tuple of per-layer trees)."""
+    gives it where the decoder does not scan, a tuple of per-layer trees)."""
     for tap in taps:
         if not 0 <= tap <= config.num_layers:
             raise ValueError(f"tap id {tap} out of range 0..{config.num_layers}")

@@ -2,7 +2,8 @@
 
 Layout and contract. Readers and writers go through two accessors, so another cache layout (the paged pool of
 `hspec_jax.serving`) is transparent to them: `cache.layer(i)` gives layer i's keys and values as the dense
-`[B, S, K, H]` view, and `cache.write(i, k, v, starts)` writes new rows. `KVBuffers` is the same without
+`[B, S, K, H]` view, `cache.in_place(i)` what the target's attention reads (a stacked cache's arrays and i, read
+block by block where they lie), and `cache.write(i, k, v, starts)` writes new rows. `KVBuffers` is the same without
 lengths: a drafter's own cache (DFlash/DSpark), whose rows are committed in step with the target's.
 
 * `cache.k[i]`, `cache.v[i]` are decoder layer i's keys and values, `[B, S_max, K, H]`: `cache.k` is a tuple of

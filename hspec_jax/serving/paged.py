@@ -50,7 +50,7 @@ class PagedBuffers:
         """Rows each sequence can address (M * page)."""
         return self.page_table.shape[1] * self.page_size
 
-    def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
+    def layer(self, i) -> tuple[jax.Array, jax.Array]:
         """(keys, values) of layer i as the dense view `[B, M*page, K, H]`, gathered through the page table."""
         b, m = self.page_table.shape
 

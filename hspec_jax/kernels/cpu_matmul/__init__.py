@@ -94,6 +94,8 @@ def packed_matmul(
     (`jnp`), or None: native where `available()`, else the reference."""
     impl = impl or ("native" if available() else "reference")
     stack, index = (packed.stack, packed.index) if isinstance(packed, StackedLayer) else (packed, None)
+    if stack.ndim != (3 if index is None else 4):
+        raise ValueError(f"need [N / 16, K, 16] weights or a StackedLayer of [L, N / 16, K, 16], got {stack.shape}")
     if impl == "reference":
         return packed_matmul_reference(x, (stack if index is None else stack[index])[first_block:])
     if impl != "native":

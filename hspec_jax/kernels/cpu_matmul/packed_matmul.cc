@@ -1,5 +1,6 @@
 // y[M, N] = x[M, K] @ W[K, N] in fp32 on x86 CPUs with AVX2 and FMA (AVX-512F where present), for W packed as
 // [N / 16, K, 16] (reference.py: `pack`): each 16-column block of W is one contiguous stream of K rows of 16 floats.
+// W may be one layer of a stack [L, N / 16, K, 16], chosen by an index operand, from a first block on.
 //
 // Why: XLA's CPU dots cost about 2x one row when they multiply 8 rows by the same weights
 // (benchmarks/results/matmul_rows.md), so verifying 8 drafted tokens costs 2.4x a single-token step. Here every
