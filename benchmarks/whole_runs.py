@@ -1,7 +1,7 @@
 """Plain decoding against a drafter, each run a whole `eval.generate` process, as a user meets them.
 
     python -m benchmarks.whole_runs [--drafter smollm2-hspec] [--k auto] [--rounds 3] [--new-tokens 64]
-        [--prompt "..." ...] [--demo-runs 3] [--out benchmarks/results/whole_runs.md]
+        [--prompt "..." ... | --task TASK [--num-prompts 3]] [--demo-runs 3] [--out benchmarks/results/whole_runs.md]
 
 Two measurements, both on the embedded SmolLM2 target, greedy, batch 1:
 
@@ -30,6 +30,7 @@ import time
 
 from benchmarks.common import PROMPTS, write_report
 from hspec_jax.machine import cpu_model
+from hspec_jax.prompts import TASKS, load_prompts
 
 DEMO_PROMPT = "Explain in two sentences why the sky is blue."  # the Makefile's DEMO_PROMPT
 DECODE = re.compile(r"^decode: (\d+) tokens in ([\d.]+) s \(([\d.]+) tok/s\)", re.M)
@@ -75,13 +76,20 @@ def main(argv=None) -> int:
     parser.add_argument("--drafter", default="smollm2-hspec")
     parser.add_argument("--k", default="auto", help="the drafter process's --k (auto or a draft length)")
     parser.add_argument("--prompt", action="append", default=None, help="repeatable (default: make demo's + 4)")
+    parser.add_argument("--task", choices=TASKS, help="instead of --prompt: first turns of a task's prompts")
+    parser.add_argument("--num-prompts", type=int, default=3, help="with --task: how many (spread as eval.main does)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="warm runs timed in each process")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--demo-runs", type=int, default=3, help="runs of make demo's command (0: none)")
     parser.add_argument("--out", default="benchmarks/results/whole_runs.md")
     args = parser.parse_args(argv)
-    prompts = args.prompt or [DEMO_PROMPT, *PROMPTS]
+    if args.task and args.prompt:
+        parser.error("--task and --prompt exclude each other")
+    if args.task:
+        prompts = [prompt.turns[0] for prompt in load_prompts(args.task, args.num_prompts)]
+    else:
+        prompts = args.prompt or [DEMO_PROMPT, *PROMPTS]
     machine = f"{cpu_model()}, {os.cpu_count()} cores"
     print(f"CPU: {machine}", flush=True)
 
@@ -122,6 +130,7 @@ def main(argv=None) -> int:
     command = f"python -m benchmarks.whole_runs --drafter {args.drafter} --k {args.k} --rounds {args.rounds} "
     command += f"--repeats {args.repeats} --new-tokens {args.new_tokens} --demo-runs {args.demo_runs}"
     command += "".join(f" --prompt {shlex.quote(p)}" for p in args.prompt or ())
+    command += f" --task {args.task} --num-prompts {args.num_prompts}" if args.task else ""
     lines = [
         "# Whole processes: plain decoding against a drafter, as a user runs them",
         "",

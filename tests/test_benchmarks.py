@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from benchmarks import (
     decode_attention,
@@ -153,3 +154,37 @@ def test_plain_steps_times_auto_pinned_to_plain_steps_in_a_fresh_process(tmp_pat
     assert rows[0][6] == "1.00" and rows[0][7] == "True |"
     assert float(rows[0][3]) > 0 and float(rows[0][4]) > 0
     assert "| 128 | " in text.split("auto / plain, mean")[1]
+
+
+def test_whole_runs_alternates_plain_and_drafter_processes_on_a_task_prompts(tmp_path, monkeypatch):
+    """`--task` runs the first turns of the task's evaluation prompts, as `eval.main` picks them; each round starts
+    a plain and a drafter process, alternating which goes first, and the ratio is the drafter's rate over the plain
+    rate of the same round (here 30 / 20 tok/s for every prompt)."""
+    from benchmarks import whole_runs
+    from hspec_jax.prompts import load_prompts
+
+    commands = []
+
+    def fake_run(command):
+        commands.append(command)
+        drafted = "--drafter" in command
+        lines = [f"decode: 64 tokens in 1 s ({30.0 if drafted else 20.0} tok/s)"]
+        lines += ["spec: tau=1.50 steps=10 chosen k=0:0.5,3:0.5 step costs T(k)/T(0) k=0:1.00,3:1.50"] * drafted
+        return "\n".join(lines) + "\n", 1.0
+
+    monkeypatch.setattr(whole_runs, "run", fake_run)
+    out = tmp_path / "runs.md"
+    argv = ["--task", "summarization", "--num-prompts", "2", "--rounds", "2", "--demo-runs", "0", "--out", str(out)]
+    assert whole_runs.main(argv) == 0
+    texts = [p.turns[0] for p in load_prompts("summarization", 2)]
+    prompts = [c[c.index("--prompt") + 1] for c in commands]
+    assert prompts == [texts[0]] * 4 + [texts[1]] * 4
+    assert [("--drafter" in c) for c in commands] == [False, True, True, False, True, False, False, True]
+    report = out.read_text()
+    assert (
+        report.count("| **1.500x** |") == 2
+        and "Median over prompts: **1.500x**" in report
+        and "--task summarization --num-prompts 2" in report
+    )
+    with pytest.raises(SystemExit):
+        whole_runs.main(["--task", "math", "--prompt", "x"])
