@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/results/cost_tables.md")
     args = parser.parse_args(argv)
     from eval.startup import show_and_write
-    from hspec_jax.decoding.costs import ROUNDS, WARM_ROUNDS
+    from hspec_jax.decoding.costs import ROUNDS
     from hspec_jax.machine import cpu_model
 
     compile_cache = tempfile.mkdtemp(prefix="hspec-costs-xla-")
@@ -77,9 +77,8 @@ def main(argv=None) -> int:
         f"CPU: {cpu_model()}, {os.cpu_count()} cores. Command: `python -m eval.cost_tables --repeats "
         f"{args.repeats} --reference-rounds {args.reference_rounds}`. Each row is a whole `eval.generate --target "
         f"smollm2 --drafter {args.drafter} --k auto` process with an empty user cache measuring its table in "
-        f"{ROUNDS} interleaved rounds after {WARM_ROUNDS} dropped ones, {ROUNDS} more where the halves disagree "
-        f"(`hspec_jax/decoding/costs.py`); the reference measured {args.reference_rounds} rounds the same way "
-        f"({reference_rounds} counted).",
+        f"{ROUNDS} interleaved rounds (`hspec_jax/decoding/costs.py`); the reference measured "
+        f"{args.reference_rounds} rounds the same way ({reference_rounds} counted).",
         "",
         "| table | rounds | " + " | ".join(f"T({k})/T(0)" for k in choices) + " | largest deviation |",
         "|---|---|" + "---|" * (len(choices) + 1),

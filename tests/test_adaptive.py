@@ -360,7 +360,6 @@ def test_a_decode_of_plain_steps_hands_back_every_committed_dflash_row(target_pa
 def test_costs_are_measured_once_per_machine_and_shape(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(cost_model, "ROUNDS", 3)
-    monkeypatch.setattr(cost_model, "WARM_ROUNDS", 1)
     calls = []
 
     def measure(index):
@@ -372,42 +371,13 @@ def test_costs_are_measured_once_per_machine_and_shape(tmp_path, monkeypatch):
     np.testing.assert_allclose(first, [1.0, 1.3, 1.3], rtol=1e-6)  # never cheaper for a longer draft
     again = cost_model.step_costs(shape, (0, 1, 3), measure)
     np.testing.assert_allclose(again, first)
-    assert calls == [0, 1, 2, 1, 2, 0, 2, 0, 1, 0, 1, 2]  # interleaved rounds, the order rotated; one warm-up round
+    assert calls == [0, 1, 2, 1, 2, 0, 2, 0, 1]  # interleaved rounds, the order rotated
     assert len(list((tmp_path / "hspec_jax" / "costs").glob("*.json"))) == 1
     cost_model.step_costs({**shape, "batch": 2}, (0, 1, 3), measure)
-    assert len(calls) == 24
+    assert len(calls) == 18
     monkeypatch.setattr(cost_model, "ROUNDS", 5)  # what eval.cost_tables does for its reference
     cost_model.step_costs({**shape, "batch": 3}, (0, 1, 3), measure)
-    assert len(calls) == 24 + 18
-
-
-def test_warm_up_rounds_are_dropped_and_disagreeing_halves_measure_more(tmp_path, monkeypatch):
-    """A slow start (draft steps read 2x in the warm-up rounds) does not enter the table; a measurement whose second
-    half reads the draft 40% dearer than its first takes ROUNDS more rounds, and the table is their median."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    rounds, warm = cost_model.ROUNDS, cost_model.WARM_ROUNDS
-    calls = []
-
-    def steady(index):
-        calls.append(index)
-        slow = len(calls) <= 2 * warm
-        return 0.02 * (1.0 if index == 0 else 3.0 if slow else 1.5)
-
-    np.testing.assert_allclose(cost_model.step_costs({"shape": 1}, (0, 3), steady), [1.0, 1.5], rtol=1e-6)
-    assert len(calls) == 2 * (warm + rounds)
-
-    calls.clear()
-
-    def drifting(index):
-        calls.append(index)
-        late = len(calls) > 2 * (warm + rounds // 2)
-        return 0.02 * (1.0 if index == 0 else 2.1 if late else 1.5)
-
-    costs = cost_model.step_costs({"shape": 2}, (0, 3), drifting)
-    assert len(calls) == 2 * (warm + 2 * rounds)
-    np.testing.assert_allclose(costs, [1.0, 2.1], rtol=1e-6)  # 1.5 in the first half of the rounds, 2.1 after
-    assert cost_model.halves_agree([[1.0, 1.5]] * 4 + [[1.0, 1.64]] * 4)
-    assert not cost_model.halves_agree([[1.0, 1.5]] * 4 + [[1.0, 1.66]] * 4)
+    assert len(calls) == 18 + 15
 
 
 def test_costs_are_measured_in_one_running_generation(tmp_path, monkeypatch):
@@ -416,9 +386,7 @@ def test_costs_are_measured_in_one_running_generation(tmp_path, monkeypatch):
     generation ends, and then a fresh one starts."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     policy = AdaptivePolicy.for_drafts(7, "cpu")
-    monkeypatch.setattr(cost_model, "AGREE", float("inf"))  # wall-clock readings of stubs: never add rounds
-    rounds = cost_model.WARM_ROUNDS + cost_model.ROUNDS
-    steps, readings = cost_model.MEASURED_STEPS, len(policy.choices) * rounds
+    steps, readings = cost_model.MEASURED_STEPS, len(policy.choices) * (cost_model.ROUNDS + 1)  # + 1 warm-up each
 
     def measure(ends_after: int):
         runs, prefills = [], []
@@ -441,7 +409,7 @@ def test_costs_are_measured_in_one_running_generation(tmp_path, monkeypatch):
     runs, prefills = measure(10_000)
     assert prefills == [0]  # round 0 starts at choice 0
     timed = [choice for choice, n in runs if n == steps]
-    assert len(timed) == readings and [timed.count(c) for c in range(3)] == [rounds] * 3
+    assert len(timed) == readings and [timed.count(c) for c in range(3)] == [cost_model.ROUNDS + 1] * 3
     assert [n for _, n in runs] == [steps] + [1, steps] * (readings - 1)  # the width changes before each reading
     assert all(a == b for (a, _), (b, _) in zip(runs[1::2], runs[2::2], strict=True))  # ... to the pinned one
     runs, prefills = measure(2 * steps + 1)  # ends with every second reading: a fresh prefill before the next one

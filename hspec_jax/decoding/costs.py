@@ -14,9 +14,7 @@ estimate does not depend on the number of rounds (a minimum over rounds falls as
 short (`MEASURED_STEPS`) and taken in one running generation (`speculative.measure_costs`), so those of a round are
 milliseconds apart: on a 2-core machine whose plain step wandered between 19 and 40 ms from one reading to the
 next, 10 rounds of 4 steps kept 5 of 5 first-use tables within 6% of a 30-round reference, where 5 rounds of 8
-steps, each reading after its own prefill, had one of 5 28% high (results/cost_tables.md). The first rounds after
-compiling are dropped (`WARM_ROUNDS`: there a draft step read up to 2.0x a plain one where the later rounds read
-1.5x), and a measurement whose two halves disagree takes more rounds (`measured`).
+steps, each reading after its own prefill, had one of 5 28% high (results/cost_tables.md).
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ def machine() -> str:
     return f"cpu:{cpu_model()}:{os.cpu_count()}"
 
 
-METHOD = 4  # how a table is measured (part of its cache key: tables of an earlier method are measured again)
+METHOD = 3  # how a table is measured (part of its cache key: tables of an earlier method are measured again)
 
 
 def cache_path(shape: dict) -> Path:
@@ -83,8 +81,6 @@ def relative(seconds) -> np.ndarray:
 
 
 ROUNDS = 10  # interleaved rounds of a measurement (results/cost_tables.md)
-WARM_ROUNDS = 2  # rounds read first and dropped: the first seconds after compiling ran draft steps 10-25% slow
-AGREE = 0.10  # the medians of a measurement's two halves may differ this much before it takes ROUNDS more
 
 
 def interleaved(count: int, measure: Callable[[int], float], rounds: int) -> list[list[float]]:
@@ -97,32 +93,15 @@ def interleaved(count: int, measure: Callable[[int], float], rounds: int) -> lis
     return readings
 
 
-def halves_agree(seconds) -> bool:
-    """Whether the tables `relative` makes of the first and the second half of the rounds `[R, C]` agree for every
-    choice: the larger cost at most `1 + AGREE` times the smaller."""
-    half = len(seconds) // 2
-    first, second = relative(seconds[:half]), relative(seconds[half:])
-    return bool(np.all(np.maximum(first, second) / np.minimum(first, second) - 1 <= AGREE))
-
-
-def measured(count: int, measure: Callable[[int], float]) -> list[list[float]]:
-    """The readings `[R, count]` a table is made of: `WARM_ROUNDS` interleaved rounds dropped, then `ROUNDS`; and
-    `ROUNDS` more, once, where the two halves disagree (`halves_agree`: a slow spell or a burst of noise in one
-    half). Rounds 3-10 of seven first-use tables on a quiet 2-core machine: halves within 10% in five."""
-    seconds = interleaved(count, measure, WARM_ROUNDS + ROUNDS)[WARM_ROUNDS:]
-    if not halves_agree(seconds):
-        seconds += interleaved(count, measure, ROUNDS)
-    return seconds
-
-
 def step_costs(shape: dict, choices: tuple[int, ...], measure: Callable[[int], float]) -> np.ndarray:
     """The cost table `[C]` for `choices` on this machine and `shape`: read from the cache, else measured with
-    `measure(choice_index) -> seconds per step` (`measured`, `relative`) and written there."""
+    `measure(choice_index) -> seconds per step` in `ROUNDS` interleaved rounds (`interleaved`, `relative`) and
+    written there."""
     path = cache_path({**shape, "choices": list(choices)})
     if path.exists():
         record = json.loads(path.read_text())
         return np.asarray(record["costs"], np.float32)
-    seconds = measured(len(choices), measure)
+    seconds = interleaved(len(choices), measure, ROUNDS)  # read at call time: eval.cost_tables sets it
     costs = relative(seconds)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"machine": machine(), **shape, "choices": list(choices), "seconds": seconds, "costs": costs.tolist()}
@@ -135,12 +114,18 @@ def step_costs(shape: dict, choices: tuple[int, ...], measure: Callable[[int], f
 MEASURED_STEPS = 4  # steps per timed run (fewer than a policy's probe_every, so a pinned plain run never probes)
 
 
-def time_steps(start: Callable[[], tuple], run: Callable[[tuple], tuple]) -> float:
-    """Seconds per loop step of `run(start())` (start untimed; the carry's first element is the loop state, whose
-    `step` counts the steps run)."""
-    carry = jax.block_until_ready(start())
-    first = int(carry[0].step)
-    began = time.perf_counter()
-    carry = jax.block_until_ready(run(carry))
-    elapsed = time.perf_counter() - began
-    return elapsed / max(int(carry[0].step) - first, 1)
+def time_steps(
+    start: Callable[[], tuple], run: Callable[[tuple], tuple], repeats: int = 2, warm_up: bool = True
+) -> float:
+    """Seconds per loop step: the fastest of `repeats` runs of `run(start())` (start untimed; the carry's first
+    element is the loop state, whose `step` counts the steps run), after one untimed warm-up if `warm_up`."""
+    best = float("inf")
+    for attempt in range(repeats + warm_up):
+        carry = jax.block_until_ready(start())
+        first = int(carry[0].step)
+        began = time.perf_counter()
+        carry = jax.block_until_ready(run(carry))
+        elapsed = time.perf_counter() - began
+        if attempt or not warm_up:
+            best = min(best, elapsed / max(int(carry[0].step) - first, 1))
+    return best

@@ -571,6 +571,7 @@ def measure_costs(
     are milliseconds apart; a fresh prefill (untimed) starts again only when the generation has ended."""
     steps = min(cost_model.MEASURED_STEPS, policy.probe_every - 1) or 1
     live: dict[str, tuple] = {}
+    warm = set()
 
     def start(index: int) -> tuple:
         pinned = pinned_costs(policy, index)
@@ -586,7 +587,9 @@ def measure_costs(
         return live["carry"]
 
     def measure(index: int) -> float:
-        return cost_model.time_steps(lambda: start(index), run)
+        seconds = cost_model.time_steps(lambda: start(index), run, repeats=1, warm_up=index not in warm)
+        warm.add(index)
+        return seconds
 
     return cost_model.step_costs(shape, policy.choices, measure)
 
