@@ -13,13 +13,11 @@ each table, its largest deviation from the reference over the choices, and how m
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 TABLE = re.compile(r"step costs T\(k\)/T\(0\) k=(\S+)")
 PROMPT = "Explain in two sentences why the sky is blue."
@@ -35,20 +33,18 @@ def child(rounds: int, argv: list[str]) -> int:
     return eval.generate.main(argv)
 
 
-def measure(args, rounds: int, compile_cache: str) -> tuple[dict[int, float], int]:
-    """One whole process measuring its table at first use -> ({k: T(k)/T(0)}, the rounds it counted)."""
+def measure(args, rounds: int, compile_cache: str) -> dict[int, float]:
+    """One whole process measuring its table at first use -> {k: T(k)/T(0)}."""
     with tempfile.TemporaryDirectory(prefix="hspec-costs-") as home:
         env = {**os.environ, "XDG_CACHE_HOME": home, "HF_HUB_OFFLINE": "1"}
         cmd = [sys.executable, "-m", "eval.cost_tables", "--child-rounds", str(rounds), "--"]
         cmd += ["--target", "smollm2", "--drafter", args.drafter, "--k", "auto", "--prompt", PROMPT]
         cmd += ["--max-new-tokens", "8", "--repeats", "0", "--compile-cache", compile_cache]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-        (record,) = (json.loads(p.read_text()) for p in Path(home, "hspec_jax", "costs").glob("*.json"))
     found = TABLE.search(done.stdout)
     if found is None:
         raise RuntimeError(f"no cost table in the output:\n{done.stdout}\n{done.stderr}")
-    table = {int(k): float(v) for k, v in (item.split(":") for item in found.group(1).split(","))}
-    return table, len(record["seconds"])
+    return {int(k): float(v) for k, v in (item.split(":") for item in found.group(1).split(","))}
 
 
 def main(argv=None) -> int:
@@ -67,26 +63,25 @@ def main(argv=None) -> int:
     compile_cache = tempfile.mkdtemp(prefix="hspec-costs-xla-")
     measure(args, ROUNDS, compile_cache)  # fills the compilation cache; its table is not counted
     tables = [measure(args, ROUNDS, compile_cache) for _ in range(args.repeats)]
-    reference, reference_rounds = measure(args, args.reference_rounds, compile_cache)
+    reference = measure(args, args.reference_rounds, compile_cache)
     choices = sorted(reference)
     deviation = lambda table: max(abs(table[k] / reference[k] - 1) for k in choices)
-    within = sum(deviation(t) <= 0.10 for t, _ in tables)
+    within = sum(deviation(t) <= 0.10 for t in tables)
     lines = [
         "# Cost tables at first use against a long interleaved measurement",
         "",
         f"CPU: {cpu_model()}, {os.cpu_count()} cores. Command: `python -m eval.cost_tables --repeats "
         f"{args.repeats} --reference-rounds {args.reference_rounds}`. Each row is a whole `eval.generate --target "
         f"smollm2 --drafter {args.drafter} --k auto` process with an empty user cache measuring its table in "
-        f"{ROUNDS} interleaved rounds (`hspec_jax/decoding/costs.py`); the reference measured "
-        f"{args.reference_rounds} rounds the same way ({reference_rounds} counted).",
+        f"{ROUNDS} interleaved rounds; the reference measured {args.reference_rounds} rounds the same way.",
         "",
-        "| table | rounds | " + " | ".join(f"T({k})/T(0)" for k in choices) + " | largest deviation |",
-        "|---|---|" + "---|" * (len(choices) + 1),
-        f"| reference | {reference_rounds} | " + " | ".join(f"{reference[k]:.2f}" for k in choices) + " | - |",
+        "| table | " + " | ".join(f"T({k})/T(0)" for k in choices) + " | largest deviation |",
+        "|---|" + "---|" * (len(choices) + 1),
+        "| reference | " + " | ".join(f"{reference[k]:.2f}" for k in choices) + " | - |",
     ]
-    for i, (table, rounds) in enumerate(tables, 1):
+    for i, table in enumerate(tables, 1):
         cells = " | ".join(f"{table[k]:.2f}" for k in choices)
-        lines.append(f"| first use {i} | {rounds} | {cells} | {deviation(table):.1%} |")
+        lines.append(f"| first use {i} | {cells} | {deviation(table):.1%} |")
     lines += ["", f"Within 10% of the reference: **{within} of {len(tables)}**."]
     show_and_write(args.out, lines)
     return 0

@@ -156,7 +156,7 @@ def test_plain_steps_times_auto_pinned_to_plain_steps_in_a_fresh_process(tmp_pat
     assert "| 128 | " in text.split("auto / plain, mean")[1]
 
 
-def test_whole_runs_alternates_plain_and_drafter_processes_on_a_task_prompts(tmp_path, monkeypatch):
+def test_whole_runs_alternates_plain_and_drafter_processes_on_a_tasks_prompts(tmp_path, monkeypatch):
     """`--task` runs the first turns of the task's evaluation prompts, as `eval.main` picks them; each round starts
     a plain and a drafter process, alternating which goes first, and the ratio is the drafter's rate over the plain
     rate of the same round (here 30 / 20 tok/s for every prompt)."""
