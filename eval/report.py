@@ -4,7 +4,8 @@
 
 A row is one prompt x method x turn: `task`, `prompt_id`, `turn`, `method`, `unit` (the prompts timed together:
 the prompt itself at batch size 1), `call` (one timed generation; a batch shares it), `call_seconds` and
-`call_prefill_seconds` (wall time of that generation and of its prefill), `call_steps` (decode-loop iterations:
+`call_prefill_seconds` (wall time of that generation and of its prefill; under `--repeats`, the median prefill
+plus the median decode time), `call_steps` (decode-loop iterations:
 target forwards after the prefill), `tokens` (new tokens of this row), and for speculative methods `steps`,
 `accepted`, `reached_at`/`accepted_at`/`predicted_at` (per draft index; predicted: the sum of the drafter's
 predicted acceptance when reached), `k_steps` (steps per number of drafts verified, 0 = plain steps) and `identical`

@@ -192,8 +192,8 @@ def test_eval_main_end_to_end_on_the_tiny_random_target(tmp_path):
 def test_eval_main_runs_each_drafter_at_each_k(tmp_path, monkeypatch):
     """`--k auto,2`: one method per drafter and draft length, named `SPEC k=K`, each lossless; fixed K verifies K
     drafts every step, auto reports its draft lengths per task and the confidence head's calibration. (The
-    drafter's own k, 7, is the end-to-end test's.) `--repeats 3`: every call timed three times, the median
-    reported."""
+    drafter's own k, 7, is the end-to-end test's.) `--repeats 3`: every call timed three times, the median prefill
+    and the median decode time (each run's own) reported."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # auto's step costs, measured once
     out = tmp_path / "eval"
     argv = ["--target", "random:tiny", "--drafter", "random:hspec", "--k", "auto,2", "--tasks", "math"]
@@ -203,9 +203,11 @@ def test_eval_main_runs_each_drafter_at_each_k(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert {r["method"] for r in rows} == {"plain", "random:hspec k=auto", "random:hspec k=2"}
     for r in rows:
-        assert len(r["call_seconds_runs"]) == 3 and r["call_seconds"] == pytest.approx(
-            float(np.median(r["call_seconds_runs"])), abs=1e-5
+        wall, prefill = np.array(r["call_seconds_runs"]), np.array(r["call_prefill_seconds_runs"])
+        assert len(wall) == len(prefill) == 3 and r["call_prefill_seconds"] == pytest.approx(
+            np.median(prefill), abs=1e-5
         )
+        assert r["call_seconds"] - r["call_prefill_seconds"] == pytest.approx(np.median(wall - prefill), abs=1e-5)
         if r["method"] == "random:hspec k=auto":
             assert r["identical"] and len(r["k_steps"]) == 8 and sum(r["k_steps"]) == r["steps"]
         elif r["method"] != "plain":
