@@ -260,10 +260,10 @@ class Evaluation:
         """`--repeats`: time every call of a unit again, `repeats - 1` more times, in alternating order (reversed
         every other round). Each row gets the median prefill time and the median of each run's own decode time
         (its wall time minus its prefill), summed into `call_seconds`. A long prompt's prefill takes about as long as
-        its decode (a retrieval prompt of 660 tokens: 1.8-2.0 s beside 1.6 s of 64 tokens), and the median wall time
-        minus the median prefill, two medians of different runs, handed the prefill's noise to the decode time the
-        speedup is computed from.
-        `call_seconds_runs` / `call_prefill_seconds_runs`: every run's wall and prefill times."""
+        its decode (a retrieval prompt of 660 tokens: 1.8-2.0 s beside 1.6 s of 64 tokens); the median wall time
+        minus the median prefill, two medians of different runs, would hand the prefill's noise to the decode time
+        the speedup is computed from. `call_seconds_runs` / `call_prefill_seconds_runs`: every run's wall and
+        prefill times."""
         if self.args.repeats == 1:
             return
         times = [[(rows[0]["call_prefill_seconds"], rows[0]["call_seconds"])] for _, rows in calls]
