@@ -166,10 +166,11 @@ def test_trains_exports_and_resumes_exactly_after_kill(straight, train_driver, t
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(straight))
 
     # Fine-tuning the exported drafter: it starts from its weights (so below the fresh run's first loss on the
-    # same first batch) and keeps its draft vocabulary.
+    # same first batch) and keeps its draft vocabulary. The straight run's step count keeps its learning-rate schedule,
+    # so its compiled step is loaded, not compiled again.
     tuned = tmp_path / "tuned"
     init = f"--config.train.init_from={straight / 'drafter'}"
-    run_ok(train_driver, command(tuned, data, "--config.train.num_steps=1", "--config.train.eval_every=0", init))
+    run_ok(train_driver, command(tuned, data, *STEPS, "--config.train.eval_every=0", init))
     assert losses(tuned)[0] < reference[0] - 0.5 * (reference[0] - reference[-1])
     with np.load(straight / "vocab.npz") as a, np.load(tuned / "vocab.npz") as b:
         np.testing.assert_array_equal(a["d2t"], b["d2t"])
