@@ -166,8 +166,8 @@ def test_trains_exports_and_resumes_exactly_after_kill(straight, train_driver, t
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(straight))
 
     # Fine-tuning the exported drafter: it starts from its weights (so below the fresh run's first loss on the
-    # same first batch) and keeps its draft vocabulary. The straight run's step count keeps its learning-rate schedule,
-    # so its compiled step is loaded, not compiled again.
+    # same first batch) and keeps its draft vocabulary. It runs the straight run's step count: the learning-rate
+    # schedule is part of the compiled step, so the step program can be the straight run's, from the tests' cache.
     tuned = tmp_path / "tuned"
     init = f"--config.train.init_from={straight / 'drafter'}"
     run_ok(train_driver, command(tuned, data, *STEPS, "--config.train.eval_every=0", init))
