@@ -73,6 +73,21 @@ def test_every_family_gets_prompts_none_held_out_shared_and_none_an_evaluation_p
     assert not any("neighbour number 0?" in q for q in pools.questions)  # an excluded conversation is not used
 
 
+def test_no_training_prompt_of_any_family_holds_a_held_out_turn_of_another(pools):
+    def turns(records):
+        return {normalize_text(t) for r in records for t in user_texts(r["messages"])}
+
+    def leaks(reserved):
+        built = {f: task_prompts.build(f, pools, 40, seed=0, held_out=4, reserved=reserved) for f in TASKS}
+        held = turns(r for _, held_out in built.values() for r in held_out)
+        return held, sum(bool(turns([r]) & held) for training, _ in built.values() for r in training)
+
+    held, unreserved = leaks(frozenset())
+    assert unreserved > 0  # qa's held-out questions are first turns that dialogue prompts draw
+    reserved = task_prompts.held_out_turns(pools, seed=0, held_out=4)
+    assert reserved == held and leaks(reserved) == (held, 0)
+
+
 def test_prompts_have_their_family_shape(pools):
     def first(family):
         return task_prompts.build(family, pools, 3, seed=1, held_out=1)[0][0]["messages"]

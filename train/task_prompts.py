@@ -2,10 +2,11 @@
 
     python -m train.task_prompts --out-dir prompts/ [--per-family 3000 --held-out 40 --seed 0]
 
-writes `<family>.jsonl` (training prompts) and `<family>_heldout.jsonl` (held-out prompts, disjoint from them) for
-every family of `hspec_jax.prompts.TASKS`. Each line is `{"id", "messages"}` with the user turns (and, for
-tool_use, the system message listing the tools) and no answer: `train.regenerate` writes the target's answers,
-dropping any prompt that equals or nearly repeats an evaluation prompt. None of the texts is an evaluation prompt:
+writes `<family>.jsonl` (training prompts) and `<family>_heldout.jsonl` (held-out prompts; no training prompt of any
+family shares a user turn with any family's held-out prompt) for every family of `hspec_jax.prompts.TASKS`. Each
+line is `{"id", "messages"}` with the user turns (and, for tool_use, the system message listing the tools) and no
+answer: `train.regenerate` writes the target's answers, dropping any prompt that equals or nearly repeats an
+evaluation prompt. None of the texts is an evaluation prompt:
 
 | family | prompts from |
 |---|---|
@@ -528,10 +529,13 @@ def family_prompts(family: str, pools: Pools, rng: random.Random, held_out: bool
     raise ValueError(f"unknown family {family!r}; choose from {', '.join(TASKS)}")
 
 
-def build(family: str, pools: Pools, count: int, seed: int, held_out: int) -> tuple[list[dict], list[dict]]:
+def build(
+    family: str, pools: Pools, count: int, seed: int, held_out: int, reserved: frozenset = frozenset()
+) -> tuple[list[dict], list[dict]]:
     """(training prompts, held-out prompts) of `family`: `held_out` then `count` prompts, no two sharing a user turn
-    (after `normalize_text`) across the two sets nor repeating one within a set, ids `task-<family>-<seed>-<n>`;
-    fewer when the family's pool runs out (20 times as many draws as wanted adding nothing)."""
+    (after `normalize_text`) across the two sets nor repeating one within a set, no training prompt with a user turn
+    in `reserved` (other families' held-out turns, `held_out_turns`), ids `task-<family>-<seed>-<n>`; fewer when the
+    family's pool runs out (20 times as many draws as wanted adding nothing)."""
     rng = random.Random(f"{family}-{seed}")
     held, seen, taken, records, misses = set(), set(), set(), [], 0
     while len(records) < held_out + count and misses < 20 * (held_out + count):
@@ -539,13 +543,23 @@ def build(family: str, pools: Pools, count: int, seed: int, held_out: int) -> tu
         messages = family_prompts(family, pools, rng, held_out=is_held_out)
         turns = {normalize_text(t) for t in user_texts(messages)}
         key = tuple(normalize_text(t) for t in user_texts(messages))
-        if key in seen or (is_held_out and turns & taken) or (not is_held_out and turns & held):
+        if key in seen or (is_held_out and turns & taken) or (not is_held_out and (turns & held or turns & reserved)):
             misses += 1
             continue
         seen.add(key)
         (held if is_held_out else taken).update(turns)
         records.append({"id": f"task-{family}-{seed}-{len(records)}", "messages": messages})
     return records[held_out:], records[:held_out]
+
+
+def held_out_turns(pools: Pools, seed: int, held_out: int) -> frozenset:
+    """The normalised user turns of every family's held-out prompts (a family's held-out set is its first draws, so
+    it is the same whichever families are built), which no family's training prompt may contain."""
+    turns = set()
+    for family in TASKS:
+        for record in build(family, pools, 0, seed, held_out)[1]:
+            turns |= {normalize_text(t) for t in user_texts(record["messages"])}
+    return frozenset(turns)
 
 
 def excluded_ids(paths) -> set[str]:
@@ -578,9 +592,10 @@ def main(argv=None) -> int:
     if unknown:
         raise ValueError(f"unknown families {unknown}; choose from {', '.join(TASKS)}")
     pools = Pools(excluded_ids(args.exclude))
+    reserved = held_out_turns(pools, args.seed, args.held_out)
     os.makedirs(args.out_dir, exist_ok=True)
     for family in families:
-        training, held_out = build(family, pools, args.per_family, args.seed, args.held_out)
+        training, held_out = build(family, pools, args.per_family, args.seed, args.held_out, reserved)
         parts = {f"{family}_heldout.jsonl": held_out, f"{family}.jsonl": training}
         for name, part in parts.items():
             with open(os.path.join(args.out_dir, name), "w", encoding="utf-8") as f:
