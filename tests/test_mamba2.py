@@ -18,15 +18,25 @@ from hspec_jax.drafters.mamba2 import (
 
 
 def random_scan_inputs(seed, batch=2, length=8, heads=8, head_dim=16, d_state=4, groups=4):
-    ks = jax.random.split(jax.random.key(seed), 7)
-    x = 0.5 * jax.random.normal(ks[0], (batch, length, heads, head_dim))
-    dt = jax.nn.softplus(jax.random.normal(ks[1], (batch, length, heads)) - 1.0)
-    a = -jnp.exp(jax.random.normal(ks[2], (heads,)))
-    b = 0.5 * jax.random.normal(ks[3], (batch, length, groups, d_state))
-    c = 0.5 * jax.random.normal(ks[4], (batch, length, groups, d_state))
-    d = jax.random.normal(ks[5], (heads,))
-    s0 = 0.5 * jax.random.normal(ks[6], (batch, heads, head_dim, d_state))
+    """Float32 inputs of one scan, drawn with numpy (no per-shape XLA program)."""
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    x = 0.5 * normal(batch, length, heads, head_dim)
+    dt = np.logaddexp(0.0, normal(batch, length, heads) - 1.0).astype(np.float32)  # softplus
+    a = -np.exp(normal(heads))
+    b = 0.5 * normal(batch, length, groups, d_state)
+    c = 0.5 * normal(batch, length, groups, d_state)
+    d = normal(heads)
+    s0 = 0.5 * normal(batch, heads, head_dim, d_state)
     return x, dt, a, b, c, d, s0
+
+
+# Each form as one program per shape, as a drafter runs it (op by op, every test shape compiled dozens of programs).
+SEQUENTIAL, ASSOCIATIVE, SSD = jax.jit(ssd_sequential), jax.jit(ssd_associative), jax.jit(ssd, static_argnums=7)
+CHUNKED = jax.jit(ssd_chunked, static_argnames="chunk_size")
 
 
 def numpy_recurrence(x, dt, a, b, c, d, s0):
@@ -48,8 +58,8 @@ def numpy_recurrence(x, dt, a, b, c, d, s0):
 @pytest.mark.parametrize("length", [1, 2, 3, 7, 8, 9, 16, 33, 64])
 def test_scan_forms_agree(length):
     inputs = random_scan_inputs(length, length=length)
-    y_ref, s_ref = ssd_sequential(*inputs)
-    for y, s in (ssd_associative(*inputs), ssd_chunked(*inputs, chunk_size=8), ssd_chunked(*inputs, chunk_size=5)):
+    y_ref, s_ref = SEQUENTIAL(*inputs)
+    for y, s in (ASSOCIATIVE(*inputs), CHUNKED(*inputs, chunk_size=8), CHUNKED(*inputs, chunk_size=5)):
         np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(np.asarray(s), np.asarray(s_ref), atol=1e-5, rtol=1e-5)
 
@@ -57,7 +67,7 @@ def test_scan_forms_agree(length):
 @pytest.mark.parametrize("length", [1, 8, 13])
 def test_sequential_matches_fp64_definition(length):
     inputs = random_scan_inputs(100 + length, length=length)
-    y, s = ssd_sequential(*inputs)
+    y, s = SEQUENTIAL(*inputs)
     y64, s64 = numpy_recurrence(*inputs)
     np.testing.assert_allclose(np.asarray(y), y64, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(s), s64, atol=1e-5, rtol=1e-5)
@@ -65,11 +75,11 @@ def test_sequential_matches_fp64_definition(length):
 
 def test_injected_state_is_used():
     x, dt, a, b, c, d, s0 = random_scan_inputs(7)
-    y_seeded, _ = ssd(x, dt, a, b, c, d, s0)
-    y_zero, _ = ssd(x, dt, a, b, c, d, jnp.zeros_like(s0))
+    y_seeded, _ = SSD(x, dt, a, b, c, d, s0)
+    y_zero, _ = SSD(x, dt, a, b, c, d, jnp.zeros_like(s0))
     assert float(jnp.abs(y_seeded - y_zero).max()) > 1e-2
     # The contribution of S0 to y_t is exactly exp(sum dt*A) * (C_t . S0): linear in S0.
-    y_only_state, _ = ssd(jnp.zeros_like(x), dt, a, b, c, d, s0)
+    y_only_state, _ = SSD(jnp.zeros_like(x), dt, a, b, c, d, s0)
     np.testing.assert_allclose(np.asarray(y_seeded - y_zero), np.asarray(y_only_state), atol=1e-5)
 
 
@@ -109,7 +119,7 @@ def test_mixer_matches_fp64_reference(scan):
     mixer = Mamba2Mixer(48, cfg)
     x = jax.random.normal(jax.random.key(0), (2, 8, 48))
     s0 = 0.3 * jax.random.normal(jax.random.key(1), (2, *cfg.state_shape))
-    params = mixer.init(jax.random.key(2), x, s0)["params"]
+    params = jax.jit(mixer.init)(jax.random.key(2), x, s0)["params"]
     # Non-trivial values for every parameter the init leaves at a constant.
     keys = iter(jax.random.split(jax.random.key(3), 8))
     params["dt_bias"] = jax.random.normal(next(keys), params["dt_bias"].shape) - 2.0
@@ -117,7 +127,7 @@ def test_mixer_matches_fp64_reference(scan):
     params["norm"] = 1 + 0.2 * jax.random.normal(next(keys), params["norm"].shape)
     params["conv1d"]["bias"] = 0.1 * jax.random.normal(next(keys), params["conv1d"]["bias"].shape)
     params["conv1d"]["kernel"] = 0.5 * jax.random.normal(next(keys), params["conv1d"]["kernel"].shape)
-    y, state = mixer.apply({"params": params}, x, s0)
+    y, state = jax.jit(mixer.apply)({"params": params}, x, s0)
     y64, state64 = numpy_mixer(params, x, s0, cfg)
     np.testing.assert_allclose(np.asarray(y), y64, atol=1e-5, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(state), state64, atol=1e-5, rtol=1e-4)
@@ -143,15 +153,23 @@ def test_unknown_scan_is_rejected():
         MambaConfig(num_heads=6, n_groups=4)
 
 
+@pytest.fixture(scope="module")
+def random_mixer_params():
+    """A mixer's parameters (8 heads of 16, 4 groups of state 4, width 48), every one perturbed off its init."""
+    mixer = Mamba2Mixer(48, MambaConfig(num_heads=8, head_dim=16, d_state=4, n_groups=4))
+    params = jax.jit(mixer.init)(jax.random.key(0), jnp.zeros((2, 1, 48)), jnp.zeros((2, 8, 16, 4)))["params"]
+    return jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.key(7), p.shape), params)
+
+
 @pytest.mark.parametrize("length", [1, 5, 8, 17, 64])
-def test_mixer_scan_forms_agree_with_random_params(length):
-    x = jax.random.normal(jax.random.key(length), (2, length, 48))
-    s0 = 0.5 * jax.random.normal(jax.random.key(length + 1), (2, 8, 16, 4))
-    base = MambaConfig(num_heads=8, head_dim=16, d_state=4, n_groups=4)
-    params = Mamba2Mixer(48, base).init(jax.random.key(0), x, s0)["params"]
-    params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.key(7), p.shape), params)
+def test_mixer_scan_forms_agree_with_random_params(length, random_mixer_params):
+    rng = np.random.default_rng(length)
+    x = rng.standard_normal((2, length, 48)).astype(np.float32)
+    s0 = 0.5 * rng.standard_normal((2, 8, 16, 4)).astype(np.float32)
     outs = {
-        scan: Mamba2Mixer(48, MambaConfig(8, 16, 4, 4, scan=scan)).apply({"params": params}, x, s0)
+        scan: jax.jit(Mamba2Mixer(48, MambaConfig(8, 16, 4, 4, scan=scan)).apply)(
+            {"params": random_mixer_params}, x, s0
+        )
         for scan in SCAN_IMPLS
     }
     for scan in SCAN_IMPLS[1:]:
