@@ -96,7 +96,7 @@ def test_a_page_costs_the_rows_of_every_layer_that_keeps_kv():
 
 @pytest.fixture(scope="module")
 def target_params():
-    params = jax.jit(init_params, static_argnums=0)(TARGET, jax.random.key(0))
+    params = init_params(TARGET, jax.random.key(0))
     return peaked(params, 4.0)  # peaked: greedy far from ties
 
 
@@ -131,7 +131,7 @@ def served_bundle(kind, target_params, prompts):
     config = drafter_from_recipe(RECIPE, kind, TARGET)
     vocab = build_draft_vocab(np.concatenate(prompts), TARGET.vocab_size, config.vocab_size, always=(EOS,))
     params = init_from_target(
-        jax.jit(init_drafter, static_argnums=0)(config, jax.random.key(1)), config, target_params, vocab
+        init_drafter(config, jax.random.key(1)), config, target_params, vocab
     )
     return Bundle(target_params, TARGET, params, config, vocab)
 

@@ -61,7 +61,7 @@ HSPEC_FIELDS = dict(
 @functools.cache
 def target_setup(target):
     """Target params and a ragged prefill: (params, cache, taps at every position [B, S, F*D], anchor tokens)."""
-    params = jax.jit(init_params, static_argnums=0)(target, jax.random.key(0))
+    params = init_params(target, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 6, target.vocab_size)
     out = jax.jit(forward, static_argnums=(1, 4))(params, target, tokens, init_cache(target, 2, 24), FUSION)
     return params, commit(out.cache, jnp.array(LENGTHS)), jnp.concatenate(out.hidden, -1), jnp.array([7, 11])
@@ -388,7 +388,7 @@ def our_drafter(kind, target, target_params, **fields):
     )
     config = drafter_config(kind, target, **fields)
     vocab = vocab_from_ids(np.arange(3, 3 + DRAFT_VOCAB), target.vocab_size)
-    params = jax.jit(init_drafter, static_argnums=0)(config, jax.random.key(2))
+    params = init_drafter(config, jax.random.key(2))
     params = perturbed(init_from_target(params, config, target_params, vocab))
     return config, params, vocab
 

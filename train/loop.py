@@ -303,9 +303,7 @@ def initial_params(run: Run, resuming: bool) -> dict:
     if run.config.train.init_from and not resuming:
         params = warm_start_params(run.config.train.init_from, run.drafter, run.target_params)
     else:
-        # One compiled init (the example forward it traces is dead code to XLA) instead of op-by-op dispatch.
-        fresh = jax.jit(init_drafter, static_argnums=0)(run.drafter, key)
-        params = init_from_target(fresh, run.drafter, run.target_params, run.vocab)
+        params = init_from_target(init_drafter(run.drafter, key), run.drafter, run.target_params, run.vocab)
     return parallel.shard_params(params, run.mesh, run.target.head_dim, fsdp=True)
 
 

@@ -14,7 +14,7 @@ from train.tokenizers import char_tokenizer
 def random_target(hf_config: dict, seed: int = 0) -> tuple[TargetConfig, dict]:
     """(config, randomly initialised params) for an architecture given by its HF config values."""
     config = TargetConfig.from_hf(dict(hf_config))
-    return config, jax.jit(init_params, static_argnums=0)(config, jax.random.key(seed))
+    return config, init_params(config, jax.random.key(seed))
 
 
 def load_target_and_tokenizer(spec: str):

@@ -52,9 +52,11 @@ def _example_inputs(config: DrafterConfig) -> DraftInputs:
     )
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def init_drafter(config: DrafterConfig, rng: jax.Array) -> dict:
     """Randomly initialised drafter parameters, a nested dict (the frozen pieces get real values from
-    `init_from_target`). `rng`: a `jax.random.key`."""
+    `init_from_target`). `rng`: a `jax.random.key`. One compiled program per config (the example forward the init
+    traces is dead code to XLA), not op-by-op dispatch."""
     inputs = _example_inputs(config)
     embeds = inputs.embedding[inputs.block_tokens]
     params = drafter_module(config).init(rng, embeds, inputs)["params"]

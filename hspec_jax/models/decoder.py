@@ -307,9 +307,11 @@ class _InitTree(nn.Module):
             self.param("lm_head", nn.initializers.normal(INIT_STD), (cfg.vocab_size, cfg.hidden_size), cfg.param_dtype)
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def init_params(config: TargetConfig, rng: jax.Array) -> dict:
     """Randomly initialised target parameters (HF-style N(0, 0.02) linears and embeddings, unit norms), the
-    layers stacked on a leading axis: `{"embed_tokens", "layers", "norm"[, "lm_head"]}`."""
+    layers stacked on a leading axis: `{"embed_tokens", "layers", "norm"[, "lm_head"]}`. One compiled program per
+    config (the example forward the init traces is dead code to XLA), not op-by-op dispatch."""
     return stack_layers(_InitTree(config).init(rng)["params"], config.num_layers)
 
 
