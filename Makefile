@@ -37,9 +37,10 @@ lint: $(STAMP)
 	$(PY) scripts/check_paths.py
 
 # One pytest worker per core; tests/conftest.py groups the tests (whole files per worker, the multi-device and
-# multi-process tests one at a time) and shares one compilation cache between workers and subprocesses.
+# multi-process tests one at a time), orders the groups longest first (kept by --no-loadscope-reorder) and
+# shares one compilation cache between workers and subprocesses.
 test: lint
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadgroup --durations=25
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=25
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.decode

@@ -130,9 +130,7 @@ def served_bundle(kind, target_params, prompts):
         return Bundle(target_params, TARGET)
     config = drafter_from_recipe(RECIPE, kind, TARGET)
     vocab = build_draft_vocab(np.concatenate(prompts), TARGET.vocab_size, config.vocab_size, always=(EOS,))
-    params = init_from_target(
-        init_drafter(config, jax.random.key(1)), config, target_params, vocab
-    )
+    params = init_from_target(init_drafter(config, jax.random.key(1)), config, target_params, vocab)
     return Bundle(target_params, TARGET, params, config, vocab)
 
 
