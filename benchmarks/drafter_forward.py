@@ -58,7 +58,7 @@ def time_step(recipe, kind, batch, context_len, repeats):
     target = target_config(recipe)
     config = drafter_from_recipe(recipe, kind, target)
     rng = np.random.default_rng(0)
-    params = jax.jit(lambda: init_drafter(config, jax.random.key(0)))()
+    params = init_drafter(config, jax.random.key(0))
     bundle = Bundle({}, target, params, config, full_vocab(config.vocab_size))  # id maps only: lm_head is pruned
     embedding = jnp.asarray(rng.standard_normal((target.vocab_size, target.hidden_size), np.float32) * 0.02)
     kv_shape = (batch, context_len + 64, target.num_kv_heads, target.head_dim)

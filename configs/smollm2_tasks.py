@@ -1,8 +1,8 @@
 """The SmolLM2 recipe (configs/smollm2.py) trained on the task-shaped data beside the chat mix (data/README.md):
 the committed parts of the eight families' target-written conversations (`smollm2_tasks_v1_part*.jsonl`, every part
-present when the config is read, with its number of records: a work directory started before a part was committed
-or grew is not resumed with the new data, `train.main` names `data.sources` as changed), the ShareGPT regeneration
-and the Magpie conversations. Each source is weighted by its number of conversations, so every
+present when the config is read, with its number of records: `train.main` refuses to resume a work directory
+started before a part was committed or grew, naming `data.sources`; start a new `--workdir`), the ShareGPT
+regeneration and the Magpie conversations. Each source is weighted by its number of conversations, so every
 conversation is drawn about equally often. Held out: the task-shaped held-out set (40 prompts per family, none
 shared with a training prompt), measured overall and per family every `eval_every` steps; its first 8 prompts drive
 the real-tau check. Fine-tunes the shipped drafter.

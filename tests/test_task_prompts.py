@@ -88,6 +88,31 @@ def test_no_training_prompt_of_any_family_holds_a_held_out_turn_of_another(pools
     assert reserved == held and leaks(reserved) == (held, 0)
 
 
+def test_main_writes_every_familys_files_and_a_subset_run_keeps_the_held_out_sets(pools, monkeypatch, tmp_path):
+    """`python -m train.task_prompts`: the files of a run over two families equal theirs in a run over all eight,
+    and no training file shares a user turn with any held-out file of the full run."""
+    monkeypatch.setattr(task_prompts, "stdlib_functions", lambda **kw: pools.functions)
+
+    def written(out, families):
+        args = ["--out-dir", str(out), "--per-family", "30", "--held-out", "4", "--exclude", "--families", families]
+        assert task_prompts.main(args) == 0
+        return {p.name: [json.loads(line) for line in p.read_text().splitlines()] for p in out.iterdir()}
+
+    every = written(tmp_path / "all", ",".join(TASKS))
+    subset = written(tmp_path / "two", "dialogue,qa")
+    assert len(every) == 2 * len(TASKS) and subset == {n: every[n] for n in subset} and len(subset) == 4
+    held = {
+        normalize_text(t)
+        for n, rs in every.items()
+        if n.endswith("_heldout.jsonl")
+        for r in rs
+        for t in user_texts(r["messages"])
+    }
+    for name, records in every.items():
+        if not name.endswith("_heldout.jsonl"):
+            assert records and not any({normalize_text(t) for t in user_texts(r["messages"])} & held for r in records)
+
+
 def test_prompts_have_their_family_shape(pools):
     def first(family):
         return task_prompts.build(family, pools, 3, seed=1, held_out=1)[0][0]["messages"]

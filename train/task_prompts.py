@@ -535,19 +535,23 @@ def build(
     """(training prompts, held-out prompts) of `family`: `held_out` then `count` prompts, no two sharing a user turn
     (after `normalize_text`) across the two sets nor repeating one within a set, no training prompt with a user turn
     in `reserved` (other families' held-out turns, `held_out_turns`), ids `task-<family>-<seed>-<n>`; fewer when the
-    family's pool runs out (20 times as many draws as wanted adding nothing)."""
+    family's pool runs out (20 times as many draws as wanted adding nothing; the held-out prompts, drawn first, stop
+    at 20 times their number, so they are the same whatever `count` is)."""
     rng = random.Random(f"{family}-{seed}")
-    held, seen, taken, records, misses = set(), set(), set(), [], 0
-    while len(records) < held_out + count and misses < 20 * (held_out + count):
+    held, seen, records, misses = set(), set(), [], 0
+    while len(records) < held_out + count:
         is_held_out = len(records) < held_out
+        if misses >= 20 * (held_out if is_held_out else held_out + count):
+            break
         messages = family_prompts(family, pools, rng, held_out=is_held_out)
         turns = {normalize_text(t) for t in user_texts(messages)}
         key = tuple(normalize_text(t) for t in user_texts(messages))
-        if key in seen or (is_held_out and turns & taken) or (not is_held_out and (turns & held or turns & reserved)):
+        if key in seen or (not is_held_out and (turns & held or turns & reserved)):
             misses += 1
             continue
         seen.add(key)
-        (held if is_held_out else taken).update(turns)
+        if is_held_out:
+            held.update(turns)
         records.append({"id": f"task-{family}-{seed}-{len(records)}", "messages": messages})
     return records[held_out:], records[:held_out]
 
