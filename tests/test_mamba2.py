@@ -34,7 +34,7 @@ def random_scan_inputs(seed, batch=2, length=8, heads=8, head_dim=16, d_state=4,
     return x, dt, a, b, c, d, s0
 
 
-# Each form as one program per shape, as a drafter runs it (op by op, every test shape compiled dozens of programs).
+# Each form as one program per shape, as a drafter runs it (run op by op, each shape compiled dozens of programs).
 SEQUENTIAL, ASSOCIATIVE = jax.jit(ssd_sequential), jax.jit(ssd_associative)
 CHUNKED = jax.jit(ssd_chunked, static_argnames="chunk_size")
 SSD = jax.jit(ssd, static_argnames=("impl", "chunk_size"))

@@ -529,6 +529,11 @@ def family_prompts(family: str, pools: Pools, rng: random.Random, held_out: bool
     raise ValueError(f"unknown family {family!r}; choose from {', '.join(TASKS)}")
 
 
+def normalized_turns(messages: list[dict]) -> tuple[str, ...]:
+    """The user turns of a prompt's messages after `normalize_text`, in order: what makes two prompts the same."""
+    return tuple(normalize_text(t) for t in user_texts(messages))
+
+
 def build(
     family: str, pools: Pools, count: int, seed: int, held_out: int, reserved: frozenset = frozenset()
 ) -> tuple[list[dict], list[dict]]:
@@ -544,8 +549,8 @@ def build(
         if misses >= 20 * (held_out if is_held_out else held_out + count):
             break
         messages = family_prompts(family, pools, rng, held_out=is_held_out)
-        turns = {normalize_text(t) for t in user_texts(messages)}
-        key = tuple(normalize_text(t) for t in user_texts(messages))
+        key = normalized_turns(messages)
+        turns = set(key)
         if key in seen or (not is_held_out and (turns & held or turns & reserved)):
             misses += 1
             continue
@@ -559,11 +564,12 @@ def build(
 def held_out_turns(pools: Pools, seed: int, held_out: int) -> frozenset:
     """The normalised user turns of every family's held-out prompts (a family's held-out set is its first draws, so
     it is the same whichever families are built), which no family's training prompt may contain."""
-    turns = set()
-    for family in TASKS:
-        for record in build(family, pools, 0, seed, held_out)[1]:
-            turns |= {normalize_text(t) for t in user_texts(record["messages"])}
-    return frozenset(turns)
+    return frozenset(
+        turn
+        for family in TASKS
+        for record in build(family, pools, 0, seed, held_out)[1]
+        for turn in normalized_turns(record["messages"])
+    )
 
 
 def excluded_ids(paths) -> set[str]:
