@@ -107,6 +107,9 @@ def train_section() -> ml_collections.ConfigDict:
             # A drafter (directory or shipped name) to fine-tune: its weights and draft vocabulary start the
             # run (the optimiser starts fresh); its config must be the recipe's drafter.
             "init_from": placeholder(str),
+            # Or a smaller drafter cut from it (train/warm_start.py): the init_from sub-layer each of the recipe's
+            # sub-layers starts from, comma-separated ("0,1,2,9,10"); a smaller draft vocabulary keeps its top tokens.
+            "init_layers": placeholder(str),
             # Loss weights; unset = the kind's recipe (0.1 CE + 0.9 TV + 1.0 confidence; DFlash: CE only).
             "loss": {"ce": placeholder(float), "tv": placeholder(float), "confidence": placeholder(float)},
             "gamma": 4.0,  # position decay of the loss weights

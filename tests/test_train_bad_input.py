@@ -74,6 +74,8 @@ def write_jsonl(path, lines):
         (["--config.drafter.kind=nope"], 1, ["unknown drafter kind 'nope'"]),
         (["--config.train.optimizer=sgd"], 1, ["--config.train.optimizer 'sgd' is unknown"]),
         (["--config.drafter.mamba_heads=3"], 2, ["--config.drafter.mamba_heads", "no field 'mamba_heads'"]),
+        (["--config.train.init_layers=0,1"], 1, ["init_layers cuts the drafter of --config.train.init_from"]),
+        (["--config.train.init_layers=0,x"], 1, ["--config.train.init_layers='0,x': give comma-separated"]),
     ],
 )
 def test_bad_flags_and_recipe_values_are_one_line_before_anything_is_written(train_main, tmp_path, args, code, parts):

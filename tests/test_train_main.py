@@ -10,18 +10,12 @@ import subprocess
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import without_compile_cache
 
-from hspec_jax.checkpoints.drafter_io import save_drafter
-from hspec_jax.drafters import init_drafter
-from hspec_jax.drafters.vocab import vocab_from_ids
-from hspec_jax.models import init_params
-from hspec_jax.recipes import drafter_from_recipe, load_config
-from train.loop import lock_workdir, warm_start_params, warm_start_vocab
+from hspec_jax.checkpoints.drafter_io import read_drafter_meta
+from train.loop import lock_workdir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ["Ada", "Bo", "Cy", "Di", "Ed", "Flo", "Gus", "Hal"]
@@ -189,6 +183,29 @@ def test_trains_exports_and_resumes_exactly_after_kill(straight, train_driver, t
     np.testing.assert_allclose(losses(resumed), reference, rtol=1e-6)
 
 
+def test_a_smaller_drafter_cut_from_a_trained_one_trains(straight, train_driver, tmp_path):
+    """`train.init_layers`: a recipe drafter of six of the exported drafter's eleven sub-layers and half its draft
+    vocabulary starts from them and from its 32 most frequent tokens, trains, and exports a drafter of that shape."""
+    data, straight, _, _ = straight
+    cut = tmp_path / "cut"
+    overrides = [
+        "--config.train.num_steps=2",
+        "--config.train.eval_every=0",
+        f"--config.train.init_from={straight / 'drafter'}",
+        "--config.train.init_layers=0,3,4,8,9,10",
+        "--config.drafter.block_pattern=('mamba','attn','mlp','mamba','attn','mlp')",
+        "--config.drafter.attn_kv_layer_ids=(2,4)",
+        "--config.drafter.draft_vocab_size=32",
+    ]
+    run_ok(train_driver, command(cut, data, *overrides))
+    config, vocab, _ = read_drafter_meta(str(cut / "drafter"))
+    assert config.block_pattern == ("mamba", "attn", "mlp", "mamba", "attn", "mlp")
+    assert config.attn_kv_layer_ids == (2, 4) and vocab.size == 32
+    _, source_vocab, _ = read_drafter_meta(str(straight / "drafter"))
+    assert set(np.asarray(vocab.d2t)) < set(np.asarray(source_vocab.d2t))
+    assert json.loads((cut / "data.json").read_text())["init_from"] == str(straight / "drafter")
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("localhost", 0))
@@ -243,28 +260,6 @@ def test_two_processes_train_like_one_and_stop_together_on_sigterm(straight, tmp
         outs.append(out)
     assert json.loads(outs[0].strip().splitlines()[-1])["resumed_from"] == stopped  # process 0 prints the result
     np.testing.assert_allclose(losses(workdir), losses(single), rtol=2e-5)
-
-
-def test_fine_tuning_a_drafter_of_another_recipe_is_an_error_naming_the_field(tmp_path):
-    recipe = load_config("tiny")
-    drafter = drafter_from_recipe(recipe)
-    params = init_drafter(drafter, jax.random.key(0))
-    vocab = vocab_from_ids(np.arange(drafter.vocab_size), drafter.target.vocab_size)
-    save_drafter(str(tmp_path / "d"), params, drafter, vocab)
-    target_params = init_params(drafter.target, jax.random.key(1))
-    loaded = warm_start_params(str(tmp_path / "d"), drafter.replace(param_dtype=jnp.float32), target_params)
-    np.testing.assert_array_equal(warm_start_vocab(str(tmp_path / "d"), drafter).d2t, vocab.d2t)
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), loaded, params))
-    other = drafter.replace(markov_rank=4)
-    for load in (
-        lambda: warm_start_vocab(str(tmp_path / "d"), other),
-        lambda: warm_start_params(str(tmp_path / "d"), other, target_params),
-    ):
-        with pytest.raises(ValueError, match=r"does not match the recipe's drafter: markov_rank=16 \(recipe: 4\)"):
-            load()
-    dflash = drafter_from_recipe(recipe, "dflash")
-    with pytest.raises(ValueError, match=r"is a drafter of kind hspec; the recipe's is of kind dflash"):
-        warm_start_vocab(str(tmp_path / "d"), dflash)
 
 
 def test_a_second_job_on_the_same_workdir_is_refused(tmp_path):

@@ -26,11 +26,7 @@ from jax.experimental import multihost_utils
 
 from hspec_jax import parallel
 from hspec_jax.chat import chat_prompt_ids
-from hspec_jax.checkpoints import CheckpointError
 from hspec_jax.checkpoints.drafter_io import (
-    config_to_dict,
-    read_drafter_meta,
-    restore_drafter,
     save_drafter,
     target_lm_head,
 )
@@ -52,6 +48,7 @@ from train.pipeline import BATCH_KEYS, make_train_iterator, sampled_token_counts
 from train.step import StepConfig, TrainState, eval_sums_fn, fresh_state, make_train_step
 from train.targets import load_target_and_tokenizer
 from train.tensorboard import EventWriter
+from train.warm_start import cut_vocab, parse_layers, starting_drafter, starting_params
 
 log = logging.getLogger(__name__)
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,39 +73,12 @@ class Run:
     held_out_families: dict = dataclasses.field(default_factory=dict)  # family -> its fixed global batches
 
 
-def warm_start_vocab(spec: str, drafter: DrafterConfig) -> DraftVocab:
-    """The draft vocabulary of the drafter `spec` (directory or shipped name) that a fine-tuning run starts from and
-    keeps, its weights not read; its config must be the recipe's drafter (dtypes aside), else an error naming the
-    fields."""
-    try:
-        config, vocab, _ = read_drafter_meta(spec, drafter.target)
-    except CheckpointError as e:
-        raise InputError(f"--config.train.init_from={spec!r}: {e}") from None
-    if type(config) is not type(drafter):
-        raise InputError(
-            f"--config.train.init_from={spec!r} is a drafter of kind {config.kind}; "
-            f"the recipe's is of kind {drafter.kind}"
-        )
-    ours, theirs = config_to_dict(drafter)["fields"], config_to_dict(config)["fields"]
-    differ = sorted(k for k in ours if k not in ("dtype", "param_dtype") and ours[k] != theirs[k])
-    if differ:
-        fields = ", ".join(f"{k}={theirs[k]!r} (recipe: {ours[k]!r})" for k in differ)
-        raise InputError(f"--config.train.init_from={spec!r} does not match the recipe's drafter: {fields}")
-    return vocab
-
-
-def warm_start_params(spec: str, drafter: DrafterConfig, target_params: dict) -> dict:
-    """The weights of the starting drafter `spec`, in the recipe's parameter dtype (read once, by a fresh run)."""
-    warm_start_vocab(spec, drafter)  # the config check
-    _, params, _ = restore_drafter(spec, drafter.target, target_params)
-    return jax.tree.map(lambda x: x.astype(drafter.param_dtype), params)
-
-
 def draft_vocabulary(
     workdir: str, loaded, tokenizer, target, drafter: DrafterConfig, data: ml_collections.ConfigDict, given=None
 ):
     """(draft vocabulary, supervised token counts `[V]`): read from the work directory on resume, else `given`
-    (a fine-tuning run keeps its starting drafter's) or built from the supervised tokens of a random sample of
+    (a fine-tuning run keeps its starting drafter's, or its most frequent tokens for a smaller drafter cut from it:
+    `train/warm_start.py`) or built from the supervised tokens of a random sample of
     the training data (`data.vocab_sample_tokens` of them, drawn with `data.seed`; top `draft_vocab_size` by
     frequency, EOS always kept), and written there by process 0 (every process computes the same). Every process
     looks for the file before process 0 may write it, so all of them take the same branch (and meet at the same
@@ -127,9 +97,10 @@ def draft_vocabulary(
     log.info("counting the supervised tokens of a sample of the conversations for the draft vocabulary")
     counts, read = sampled_token_counts(loaded, tokenizer, target.vocab_size, data.vocab_sample_tokens, data.seed)
     log.info("draft vocabulary: %d supervised tokens of %d conversations", counts.sum(), read)
-    vocab = given
-    if vocab is None:
+    if given is None:
         vocab = draft_vocab_from_counts(counts, drafter.vocab_size, always=target.eos_token_ids)
+    else:
+        vocab = cut_vocab(given, drafter.vocab_size, counts, target.eos_token_ids)
     if jax.process_index() == 0:
         partial = path + ".partial.npz"
         np.savez(partial, d2t=np.asarray(vocab.d2t), t2d=np.asarray(vocab.t2d), supervised_counts=counts)
@@ -191,8 +162,11 @@ def check_before_work(config: ml_collections.ConfigDict, workdir: str) -> None:
             f"--config.train.batch_size {batch_size} must divide over {jax.process_count()} processes and the "
             f"data x fsdp = {shards} batch shards of mesh {config.mesh!r}"
         )
+    layers = parse_layers(config.train.init_layers)
+    if layers is not None and not config.train.init_from:
+        raise InputError("--config.train.init_layers cuts the drafter of --config.train.init_from: set it too")
     if config.train.init_from:
-        warm_start_vocab(config.train.init_from, drafter_from_recipe(config, target=target))
+        starting_drafter(config.train.init_from, drafter_from_recipe(config, target=target), layers)
 
 
 def setup(config: ml_collections.ConfigDict, workdir: str, loaded, held_out_conversations) -> Run:
@@ -211,7 +185,9 @@ def setup(config: ml_collections.ConfigDict, workdir: str, loaded, held_out_conv
     target_params = parallel.shard_params(target_params, mesh, target.head_dim)  # the one copy the job keeps
     tau_conversations = held_out_conversations[: config.data.held_out_prompts]
     held_out = [chat_prompt_ids(tokenizer, user_texts(c.messages)[0]) for c in tau_conversations]
-    given_vocab = warm_start_vocab(config.train.init_from, drafter) if config.train.init_from else None
+    given_vocab = None
+    if config.train.init_from:
+        given_vocab = starting_drafter(config.train.init_from, drafter, parse_layers(config.train.init_layers))[1]
     vocab, supervised = draft_vocabulary(workdir, loaded, tokenizer, target, drafter, config.data, given_vocab)
     iterator = recipe_iterator(loaded, tokenizer, config, drafter.num_drafts + 1)  # anchor + k drafted tokens
     held_out_batches = fixed_batches(held_out_conversations, tokenizer, config, drafter.num_drafts + 1, mesh)
@@ -301,7 +277,8 @@ def initial_params(run: Run, resuming: bool) -> dict:
     checkpoint replaces the values), so it never reads the starting drafter's weights."""
     key = jax.random.key(run.config.train.seed)
     if run.config.train.init_from and not resuming:
-        params = warm_start_params(run.config.train.init_from, run.drafter, run.target_params)
+        layers = parse_layers(run.config.train.init_layers)
+        params = starting_params(run.config.train.init_from, run.drafter, run.target_params, run.vocab, layers)
     else:
         params = init_from_target(init_drafter(run.drafter, key), run.drafter, run.target_params, run.vocab)
     return parallel.shard_params(params, run.mesh, run.target.head_dim, fsdp=True)

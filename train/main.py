@@ -9,6 +9,8 @@ tiny target with a character tokenizer). Running again with the same `--workdir`
 latest checkpoint (parameters, optimiser state, step, rng and the data iterator's position).
 `--config.train.init_from=DRAFTER` (a drafter directory or shipped name such as `smollm2-hspec`) fine-tunes
 that drafter: the run starts from its weights and keeps its draft vocabulary, with a fresh optimiser.
+With `--config.train.init_layers=0,3,4,...` the recipe's drafter may be a smaller one cut from it: those of its
+sub-layers, and its most frequent draft tokens where the recipe's draft vocabulary is smaller (train/warm_start.py).
 
 The work directory holds:
     recipe.json       the recipe the directory was created with: a resumed run must match it (target, drafter,
