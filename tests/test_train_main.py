@@ -10,11 +10,15 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 from conftest import without_compile_cache
 
-from hspec_jax.checkpoints.drafter_io import read_drafter_meta
+from hspec_jax.checkpoints.drafter_io import read_drafter_meta, save_drafter
+from hspec_jax.drafters import init_drafter
+from hspec_jax.drafters.vocab import vocab_from_ids
+from hspec_jax.recipes import drafter_from_recipe, load_config
 from train.loop import lock_workdir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -183,27 +187,29 @@ def test_trains_exports_and_resumes_exactly_after_kill(straight, train_driver, t
     np.testing.assert_allclose(losses(resumed), reference, rtol=1e-6)
 
 
-def test_a_smaller_drafter_cut_from_a_trained_one_trains(straight, train_driver, tmp_path):
-    """`train.init_layers`: a recipe drafter of six of the exported drafter's eleven sub-layers and half its draft
+def test_a_smaller_drafter_cut_from_a_saved_one_trains(train_driver, tmp_path):
+    """`train.init_layers`: a recipe drafter of six of a saved drafter's eleven sub-layers and half its draft
     vocabulary starts from them and from its 32 most frequent tokens, trains, and exports a drafter of that shape."""
-    data, straight, _, _ = straight
+    recipe = load_config("tiny")
+    drafter = drafter_from_recipe(recipe)
+    source_vocab = vocab_from_ids(np.arange(drafter.vocab_size), drafter.target.vocab_size)
+    save_drafter(str(tmp_path / "saved"), init_drafter(drafter, jax.random.key(0)), drafter, source_vocab)
     cut = tmp_path / "cut"
     overrides = [
         "--config.train.num_steps=2",
         "--config.train.eval_every=0",
-        f"--config.train.init_from={straight / 'drafter'}",
+        f"--config.train.init_from={tmp_path / 'saved'}",
         "--config.train.init_layers=0,3,4,8,9,10",
         "--config.drafter.block_pattern=('mamba','attn','mlp','mamba','attn','mlp')",
         "--config.drafter.attn_kv_layer_ids=(2,4)",
         "--config.drafter.draft_vocab_size=32",
     ]
-    run_ok(train_driver, command(cut, data, *overrides))
+    run_ok(train_driver, command(cut, write_conversations(tmp_path / "chat.jsonl"), *overrides))
     config, vocab, _ = read_drafter_meta(str(cut / "drafter"))
     assert config.block_pattern == ("mamba", "attn", "mlp", "mamba", "attn", "mlp")
     assert config.attn_kv_layer_ids == (2, 4) and vocab.size == 32
-    _, source_vocab, _ = read_drafter_meta(str(straight / "drafter"))
     assert set(np.asarray(vocab.d2t)) < set(np.asarray(source_vocab.d2t))
-    assert json.loads((cut / "data.json").read_text())["init_from"] == str(straight / "drafter")
+    assert json.loads((cut / "data.json").read_text())["init_from"] == str(tmp_path / "saved")
 
 
 def free_port():
