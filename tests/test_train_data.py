@@ -588,3 +588,17 @@ def test_the_task_recipe_trains_on_every_committed_part_and_holds_out_the_task_s
     assert config.data.held_out == os.path.join(data, "smollm2_tasks_heldout.jsonl")
     assert config.data.held_out_family_batches > 0
     assert config.train.init_from == "smollm2-hspec"
+
+
+def test_the_cut_task_recipe_is_a_valid_cut_of_the_shipped_drafter():
+    """configs/smollm2_tasks_cut.py: the task recipe, its drafter six sub-layers and 8192 draft tokens cut from the
+    shipped one (the layer map checked against the shipped drafter's config, no weights read)."""
+    from hspec_jax.recipes import drafter_from_recipe, load_config, target_config
+    from train.warm_start import parse_layers, starting_drafter
+
+    tasks, cut = load_config("smollm2_tasks"), load_config("configs/smollm2_tasks_cut.py")
+    assert cut.data.sources == tasks.data.sources and cut.train.init_from == "smollm2-hspec"
+    drafter = drafter_from_recipe(cut, target=target_config(cut))
+    source, vocab = starting_drafter(cut.train.init_from, drafter, parse_layers(cut.train.init_layers))
+    assert len(drafter.block_pattern) == 6 and len(source.block_pattern) == 11
+    assert drafter.vocab_size == 8192 and vocab.size == 16384
