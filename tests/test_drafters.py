@@ -178,7 +178,7 @@ def test_multi_block_training_path_equals_single_blocks(setup):
 def test_init_copies_the_mapped_target_layers(setup):
     target_params, vocab = setup[0], setup[1]
     config, params = make_drafter("hspec", setup)
-    attn_layers = [i for i, k in enumerate(config.block_pattern) if k == "attn"]
+    attn_layers = config.sublayers("attn")
     for i, layer in zip(attn_layers, config.attn_kv_layer_ids, strict=True):
         mine, theirs = params[f"layers_{i}"]["self_attn"], layer_params(target_params, layer)["self_attn"]
         for key in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm"):

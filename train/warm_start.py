@@ -73,7 +73,7 @@ def check_layer_map(source: DrafterConfig, drafter: DrafterConfig, layers: tuple
     attention sub-layer to one reading the same target layer with the same window, and that the draft vocabulary
     does not grow."""
     flag = f"--config.train.init_layers={','.join(map(str, layers))}"
-    if not hasattr(drafter, "block_pattern"):
+    if not hasattr(drafter, "sublayers"):
         raise InputError(f"{flag}: the {drafter.kind} drafter has no sub-layers to choose (H-Spec kinds do)")
     if len(layers) != len(drafter.block_pattern):
         raise InputError(
@@ -81,7 +81,7 @@ def check_layer_map(source: DrafterConfig, drafter: DrafterConfig, layers: tuple
         )
     if len(set(layers)) != len(layers):
         raise InputError(f"{flag} names a sub-layer twice")
-    attn_ours, attn_theirs = attention_indices(drafter), attention_indices(source)
+    attn_ours, attn_theirs = drafter.sublayers("attn"), source.sublayers("attn")
     for i, j in enumerate(layers):
         if not 0 <= j < len(source.block_pattern):
             raise InputError(f"{flag}: the starting drafter has sub-layers 0..{len(source.block_pattern) - 1}")
@@ -89,7 +89,7 @@ def check_layer_map(source: DrafterConfig, drafter: DrafterConfig, layers: tuple
         if source.block_pattern[j] != kind:
             raise InputError(f"{flag}: sub-layer {i} is {kind!r} in the recipe but {j} is {source.block_pattern[j]!r}")
         if kind == "attn":
-            a, b = attn_ours[i], attn_theirs[j]
+            a, b = attn_ours.index(i), attn_theirs.index(j)
             ours = (drafter.attn_kv_layer_ids[a], drafter.attention_layout(a, default_causal=True))
             theirs = (source.attn_kv_layer_ids[b], source.attention_layout(b, default_causal=True))
             if ours != theirs:
@@ -101,18 +101,6 @@ def check_layer_map(source: DrafterConfig, drafter: DrafterConfig, layers: tuple
         raise InputError(
             f"{flag}: a draft vocabulary of {drafter.vocab_size} tokens cannot be cut from {source.vocab_size}"
         )
-
-
-def attention_indices(config: DrafterConfig) -> dict[int, int]:
-    """Sub-layer index -> its index among the attention sub-layers."""
-    attn = [i for i, kind in enumerate(config.block_pattern) if kind == "attn"]
-    return {i: a for a, i in enumerate(attn)}
-
-
-def mamba_indices(config: DrafterConfig) -> dict[int, int]:
-    """Sub-layer index -> its index among the Mamba sub-layers."""
-    mamba = [i for i, kind in enumerate(config.block_pattern) if kind == "mamba"]
-    return {i: m for m, i in enumerate(mamba)}
 
 
 def cut_vocab(source: DraftVocab, size: int, counts, eos_ids) -> DraftVocab:
@@ -132,13 +120,11 @@ def cut_params(
     out = {k: v for k, v in params.items() if not k.startswith(("layers_", "seed_projs_"))}
     for i, j in enumerate(layers):
         out[f"layers_{i}"] = params[f"layers_{j}"]
-    ours, theirs = mamba_indices(drafter), mamba_indices(source)
+    ours, theirs = drafter.sublayers("mamba"), source.sublayers("mamba")
     for m in range(drafter.num_seed_projections):
-        if drafter.seed_mode == "per_layer":
-            i = next(i for i, n in ours.items() if n == m)
-            out[f"seed_projs_{m}"] = params[f"seed_projs_{theirs[layers[i]]}"]
-        else:
-            out[f"seed_projs_{m}"] = params[f"seed_projs_{m}"]
+        # per_layer: the m-th Mamba sub-layer's seed comes from the projection of the Mamba sub-layer it was cut from
+        source_m = theirs.index(layers[ours[m]]) if drafter.seed_mode == "per_layer" else m
+        out[f"seed_projs_{m}"] = params[f"seed_projs_{source_m}"]
     if vocab.size != source_vocab.size:
         columns = np.asarray(to_draft(vocab.d2t, source_vocab))
         out["lm_head"] = params["lm_head"][columns]

@@ -195,6 +195,10 @@ class HSpecConfig(DrafterConfig):
     def num_mamba(self) -> int:
         return self.block_pattern.count("mamba")
 
+    def sublayers(self, kind: str) -> list[int]:
+        """The indices in `block_pattern` of the sub-layers of `kind` ("mamba", "attn" or "mlp"), in order."""
+        return [i for i, k in enumerate(self.block_pattern) if k == kind]
+
     @property
     def num_seed_projections(self) -> int:
         if not self.use_state_injection or not self.num_mamba:

@@ -79,7 +79,7 @@ class HSpec(nn.Module):
 
 def mirrored_layers(config: HSpecConfig) -> dict[str, int]:
     """Each attention sub-layer reads (and copies q/k/v from) its mapped target layer."""
-    attn = [i for i, kind in enumerate(config.block_pattern) if kind == "attn"]
+    attn = config.sublayers("attn")
     return {f"layers_{i}": layer for i, layer in zip(attn, config.attn_kv_layer_ids, strict=True)}
 
 
