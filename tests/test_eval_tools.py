@@ -2,9 +2,14 @@
 eval.startup's probe."""
 
 import json
+import os
+import subprocess
+import sys
 
 from eval import memory, params, startup
 from hspec_jax import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_params_table_matches_the_papers_parameter_budget(capsys):
@@ -98,3 +103,18 @@ def test_startup_probe_times_every_phase_of_one_generate_run(tmp_path, capsys, m
     assert record["exit"] == 0
     phases = {"imports", "config and tokenizer", "target load", "engine build", "trace", "lower", "printed run"}
     assert phases <= set(record["phases"]) and all(v >= 0 for v in record["phases"].values())
+
+
+def test_generate_starts_without_the_back_ends_it_does_not_use():
+    """`eval.generate` (every command line's start-up) imports neither Orbax nor Pallas' GPU and TPU back ends
+    (~0.9 s of imports together): a GGUF or HF target with a safetensors drafter reads no Orbax file and CPU runs the
+    reference attention. Using them imports them."""
+    heavy = ("orbax.checkpoint", "jax._src.pallas.triton", "jax._src.pallas.mosaic.lowering")
+    check = (
+        "import sys, eval.generate; print([m for m in HEAVY if m in sys.modules]);"
+        "from hspec_jax.kernels.target_kv_attention import KernelSettings;"
+        "from hspec_jax.checkpoints.orbax_io import orbax; orbax(); print([m for m in HEAVY if m not in sys.modules])"
+    )
+    code = f"HEAVY = {heavy!r}; {check}"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert out.splitlines() == ["[]", "[]"]

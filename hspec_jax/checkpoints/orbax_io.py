@@ -19,7 +19,6 @@ import logging
 import os
 
 import jax
-import orbax.checkpoint as ocp
 
 from hspec_jax.checkpoints.hf import CheckpointError, check_finite, read_json, staged_directory, target_config_from_hf
 from hspec_jax.models.config import TargetConfig
@@ -27,6 +26,14 @@ from hspec_jax.models.decoder import param_shapes, per_layer_names, stack_layers
 
 MANIFEST = "hspec_target.json"
 FORMAT = "hspec-jax-target"
+
+
+def orbax():
+    """`orbax.checkpoint`, imported on first use: ~0.4 s of every process start that reads and writes no Orbax
+    file (a GGUF or HF target with a safetensors drafter)."""
+    import orbax.checkpoint
+
+    return orbax.checkpoint
 
 
 def is_orbax_target(path: str) -> bool:
@@ -48,7 +55,7 @@ def restore_target(directory: str, **config_overrides) -> tuple[TargetConfig, di
     directory = os.path.abspath(directory)
     config = orbax_target_config(directory, **config_overrides)
     expected, path = param_shapes(config), os.path.join(directory, "params")
-    if os.path.isdir(path) and "layers_0" in ocp.StandardCheckpointer().metadata(path).item_metadata.tree:
+    if os.path.isdir(path) and "layers_0" in orbax().StandardCheckpointer().metadata(path).item_metadata.tree:
         params = stack_layers(restore_pytree(path, per_layer_names(expected, config.num_layers)), config.num_layers)
     else:
         params = restore_pytree(path, expected)
@@ -84,7 +91,7 @@ def save_pytree(path: str, tree) -> None:
     absl_logger = logging.getLogger("absl")
     level = absl_logger.level
     absl_logger.setLevel(logging.CRITICAL)
-    me = jax.process_index()
+    me, ocp = jax.process_index(), orbax()
     only_me = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
     checkpointer = ocp.StandardCheckpointer(multiprocessing_options=only_me)
     try:
@@ -103,6 +110,7 @@ def restore_pytree(path: str, expected):
     `jax.eval_shape`), with errors naming the first missing, unknown or misshapen parameter."""
     if not os.path.isdir(path):
         raise CheckpointError(f"{path!r}: the parameters are missing")
+    ocp = orbax()
     stored = ocp.StandardCheckpointer().metadata(path).item_metadata.tree
     want = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(expected)}
     have = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(stored)}

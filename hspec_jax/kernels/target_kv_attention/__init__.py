@@ -26,7 +26,16 @@ Modules:
 """
 
 from hspec_jax.kernels.target_kv_attention.dispatch import target_kv_attention
-from hspec_jax.kernels.target_kv_attention.pallas import KernelSettings, pallas_attention
 from hspec_jax.kernels.target_kv_attention.reference import reference, visible_range
 
 __all__ = ["KernelSettings", "pallas_attention", "reference", "target_kv_attention", "visible_range"]
+KERNEL_PATH = ("KernelSettings", "pallas_attention")
+
+
+def __getattr__(name: str):
+    """The kernel path's names, imported on first use (Pallas' back ends: ~0.5 s that the reference never needs)."""
+    if name in KERNEL_PATH:
+        from hspec_jax.kernels.target_kv_attention import pallas
+
+        return getattr(pallas, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

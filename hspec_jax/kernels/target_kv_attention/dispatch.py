@@ -14,7 +14,6 @@ import logging
 
 import jax
 
-from hspec_jax.kernels.target_kv_attention.pallas import KernelSettings, pallas_attention
 from hspec_jax.kernels.target_kv_attention.reference import reference
 
 IMPLS = ("auto", "reference", "pallas", "pallas_gpu", "pallas_tpu")
@@ -65,5 +64,8 @@ def target_kv_attention(
     variant = native if impl == "pallas" else impl.removeprefix("pallas_")
     if platform != "cpu" and variant != native:
         raise ValueError(f"attention impl {impl!r} cannot run on {platform}: use 'pallas' or 'reference'")
+    # Imported here: Pallas' GPU and TPU back ends cost ~0.5 s of every process start that never runs the kernel.
+    from hspec_jax.kernels.target_kv_attention.pallas import KernelSettings, pallas_attention
+
     settings = KernelSettings(variant=variant, interpret=platform == "cpu")
     return pallas_attention(q, k_blk, v_blk, k_ctx, v_ctx, anchors, doc_starts, **mask, settings=settings)
