@@ -29,9 +29,9 @@ $(STAMP): pyproject.toml Makefile
 DEMO_PROMPT := Explain in two sentences why the sky is blue.
 
 demo: $(STAMP)
-	@echo "== the embedded SmolLM2 target alone, then draft-and-verify with the shipped H-Spec drafter, the draft length chosen per step (--k auto; same run)"
+	@echo "== the embedded SmolLM2 target alone, then draft-and-verify with the shipped H-Spec drafter smollm2-hspec-cut, the draft length chosen per step (--k auto; same run)"
 	HF_HUB_OFFLINE=1 $(PY) -m eval.generate --target smollm2 --max-new-tokens 64 --prompt "$(DEMO_PROMPT)" \
-		--drafter smollm2-hspec --compare --k auto --repeats 3
+		--drafter smollm2-hspec-cut --compare --k auto --repeats 3
 
 # ruff, then no absolute path of a development machine in tracked text (scripts/check_paths.py names FILE:LINE).
 lint: $(STAMP)
