@@ -31,9 +31,9 @@ FORMAT = "hspec-jax-target"
 def orbax():
     """`orbax.checkpoint`, imported on first use: ~0.4 s of every process start that reads and writes no Orbax
     file (a GGUF or HF target with a safetensors drafter)."""
-    import orbax.checkpoint
+    import orbax.checkpoint as ocp
 
-    return orbax.checkpoint
+    return ocp
 
 
 def is_orbax_target(path: str) -> bool:
