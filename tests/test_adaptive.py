@@ -31,6 +31,7 @@ from hspec_jax.decoding.policy import (
     best_choice,
     expected_yield,
     first_prior,
+    history_acceptance,
     init_policy,
     observe,
     pinned_costs,
@@ -79,7 +80,7 @@ def test_choices_and_expected_yield():
 
 
 def test_an_overconfident_drafter_falls_back_then_probes():
-    """Predicts 0.9 everywhere, never accepted: within a few steps no sequence drafts, until a probe is due."""
+    """Predicts 0.9 everywhere, never accepted: within a dozen steps no sequence drafts, until a probe is due."""
     state = init_policy(POLICY, 2, CPU_LIKE)
     active = jnp.array([True, True])
     confident = jnp.full((2, 7), 0.9)
@@ -87,11 +88,13 @@ def test_an_overconfident_drafter_falls_back_then_probes():
     assert int(step_choice(state, POLICY, confident, active)) == 4
     steps = 0
     while bool(wants_draft(state, POLICY, active)) or int(step_choice(state, POLICY, confident, active)):
-        state = observe(state, POLICY, confident, jnp.int32(7), jnp.zeros(2, jnp.int32), active)
+        state = observe(state, POLICY, confident, jnp.int32(7), jnp.zeros(2, jnp.int32), active, jnp.zeros_like(active))
         steps += 1
-    assert steps <= 6
+    assert steps <= 12
     state = state._replace(drafted=~active)  # plain steps from now on: the drafter is not called
-    plain = lambda state: observe(state, POLICY, confident, jnp.int32(0), jnp.zeros(2, jnp.int32), active)
+    plain = lambda state: observe(
+        state, POLICY, confident, jnp.int32(0), jnp.zeros(2, jnp.int32), active, jnp.zeros_like(active)
+    )
     for _ in range(2 * POLICY.probe_every - 1):  # a batch of two: each waits twice as long
         state = plain(state)
     assert not bool(wants_draft(state, POLICY, active))
@@ -102,7 +105,7 @@ def test_an_overconfident_drafter_falls_back_then_probes():
     # A probe that is accepted lifts the estimates again.
     state = state._replace(drafted=active)
     for _ in range(3):
-        state = observe(state, POLICY, confident, jnp.int32(1), jnp.ones(2, jnp.int32), active)
+        state = observe(state, POLICY, confident, jnp.int32(1), jnp.ones(2, jnp.int32), active, jnp.zeros_like(active))
     assert int(best_choice(state.accepted / state.reached, CPU_LIKE, POLICY.choices)[0]) > 0
 
 
@@ -114,25 +117,65 @@ def test_drafts_that_are_never_verified_stop_the_drafting():
     steps = 0
     while bool(wants_draft(state, POLICY, active)):
         assert int(step_choice(state, POLICY, hopeless, active)) == 0
-        state = observe(state._replace(drafted=active), POLICY, hopeless, jnp.int32(0), jnp.zeros(1, jnp.int32), active)
+        state = observe(
+            state._replace(drafted=active),
+            POLICY,
+            hopeless,
+            jnp.int32(0),
+            jnp.zeros(1, jnp.int32),
+            active,
+            jnp.zeros_like(active),
+        )
         steps += 1
-    assert 1 <= steps <= 6
-    plain = observe(state._replace(drafted=~active), POLICY, hopeless, jnp.int32(0), jnp.zeros(1, jnp.int32), active)
+    assert 1 <= steps <= 12
+    plain = observe(
+        state._replace(drafted=~active),
+        POLICY,
+        hopeless,
+        jnp.int32(0),
+        jnp.zeros(1, jnp.int32),
+        active,
+        jnp.zeros_like(active),
+    )
     np.testing.assert_array_equal(plain.reached, state.reached)  # a plain step without a draft: nothing learnt
+
+
+def test_declined_blocks_whose_first_draft_was_right_keep_the_drafting_and_raise_the_calibration():
+    """A drafter too modest about its blocks (predicts 0.1, so decision 2 declines them) whose first draft is the
+    target's next token every time: the declined blocks count as hits, so the history keeps drafting and the
+    calibration ratio climbs until its blocks are verified again. The same blocks scored as misses stop it."""
+    state = init_policy(POLICY, 1, CPU_LIKE)
+    active, modest, none = jnp.array([True]), jnp.full((1, 7), 0.1), jnp.zeros(1, jnp.int32)
+
+    def declined(state, matched):
+        assert int(step_choice(state, POLICY, modest, active)) == 0
+        return observe(state._replace(drafted=active), POLICY, modest, jnp.int32(0), none, active, matched)
+
+    missed = state
+    for _ in range(6):
+        missed = declined(missed, ~active)
+    assert not bool(wants_draft(missed, POLICY, active))
+    steps = 0
+    while int(step_choice(state, POLICY, modest, active)) == 0:
+        assert bool(wants_draft(state, POLICY, active))
+        state = declined(state, active)
+        steps += 1
+    assert 1 <= steps <= 16
+    assert float(history_acceptance(state)[0, 0]) > POLICY.prior
 
 
 def test_failed_probes_wait_longer_and_a_paying_draft_resets_the_wait():
     """A drafter known to be useless (a prior of zero acceptance): plain steps from the start; each probe after
     which drafting still does not pay doubles the wait for the next, up to `probe_max`, also one with a draft
     accepted; probes accepted until drafting pays set it back."""
-    state = init_policy(POLICY, 1, CPU_LIKE, Prior(jnp.zeros(7), jnp.float32(0.0), jnp.int32(POLICY.probe_every)))
+    state = init_policy(POLICY, 1, CPU_LIKE, Prior(jnp.zeros(7), jnp.float32(0.0)))
     active, confident, none = jnp.array([True]), jnp.full((1, 7), 0.9), jnp.zeros(1, jnp.int32)
     state = state._replace(drafted=~active)
 
     def wait_for_probe(state):
         plain = 0
         while not bool(wants_draft(state, POLICY, active)):
-            state = observe(state, POLICY, confident, jnp.int32(0), none, active)
+            state = observe(state, POLICY, confident, jnp.int32(0), none, active, jnp.zeros_like(active))
             plain += 1
         assert int(step_choice(state, POLICY, confident, active)) == 1  # a probe: the smallest k
         return state._replace(drafted=active), plain
@@ -141,15 +184,19 @@ def test_failed_probes_wait_longer_and_a_paying_draft_resets_the_wait():
     for _ in range(5):
         state, plain = wait_for_probe(state)
         waits.append(plain)
-        state = observe(state, POLICY, confident, jnp.int32(1), none, active)._replace(drafted=~active)
+        state = observe(state, POLICY, confident, jnp.int32(1), none, active, jnp.zeros_like(active))._replace(
+            drafted=~active
+        )
     assert waits == [32, 64, 128, 256, 256]
     one = jnp.ones(1, jnp.int32)
     probe_due = dict(wait=jnp.full(1, 64, jnp.int32), idle=jnp.full(1, 64, jnp.int32))
-    state = observe(state._replace(**probe_due), POLICY, confident, jnp.int32(1), one, active)
+    state = observe(state._replace(**probe_due), POLICY, confident, jnp.int32(1), one, active, jnp.zeros_like(active))
     assert not bool(wants_draft(state, POLICY, active))  # one hit after five misses: slot 1 at ~0.3, not worth it
     assert int(state.wait[0]) == 128
     for _ in range(3):  # hits until the history says drafting pays
-        state = observe(state._replace(idle=state.wait), POLICY, confident, jnp.int32(1), one, active)
+        state = observe(
+            state._replace(idle=state.wait), POLICY, confident, jnp.int32(1), one, active, jnp.zeros_like(active)
+        )
     assert bool(wants_draft(state, POLICY, active))
     assert int(state.wait[0]) == POLICY.probe_every
     with pytest.raises(ValueError, match="probe_every <= probe_max"):
@@ -160,14 +207,15 @@ def test_probes_wait_longer_where_a_probe_costs_more_than_two_plain_steps():
     """The wait for a probe scales with what a probe costs beyond its one sure token, T(smallest k) - 1 plain steps,
     where that exceeds one; a batch of B waits B times as long; a table pinned for measuring stays in range."""
     policy = AdaptivePolicy(choices=(0, 4, 7))
-    prior = Prior(jnp.zeros(7), jnp.float32(0.0), jnp.int32(policy.probe_every))
+    prior = Prior(jnp.zeros(7), jnp.float32(0.0))
     for costs, batch, expected in [((1.0, 2.9, 3.0), 1, 61), ((1.0, 1.8, 2.0), 1, 32), ((1.0, 2.9, 3.0), 2, 122)]:
         state = init_policy(policy, batch, jnp.array(costs), prior)
         np.testing.assert_array_equal(steps_to_probe(state), expected)
         state = state._replace(idle=jnp.full(batch, expected - 1, jnp.int32))
         assert not bool(probing(state).any())
         assert bool(probing(state._replace(idle=state.idle + 1)).all())
-    pinned = init_policy(policy, 4, pinned_costs(policy, 0), prior._replace(wait=jnp.int32(policy.probe_max)))
+    pinned = init_policy(policy, 4, pinned_costs(policy, 0), prior)
+    pinned = pinned._replace(wait=jnp.full(4, policy.probe_max, jnp.int32))
     assert int(steps_to_probe(pinned)[0]) == policy.probe_max * 4 * 1024
 
 
@@ -176,8 +224,8 @@ def test_a_new_sequence_starts_from_what_finished_ones_learnt():
     estimates of whichever finished, and a sequence started from it trusts the drafter accordingly."""
     state = init_policy(POLICY, 2, CPU_LIKE)
     active, confident = jnp.array([True, True]), jnp.full((2, 7), 0.9)
-    for _ in range(5):
-        state = observe(state, POLICY, confident, jnp.int32(7), jnp.array([0, 7]), active)
+    for _ in range(12):
+        state = observe(state, POLICY, confident, jnp.int32(7), jnp.array([0, 7]), active, jnp.zeros_like(active))
     kept = remember(state, jnp.array([False, False])).prior
     for mine, first in zip(kept, first_prior(POLICY), strict=True):
         np.testing.assert_array_equal(np.asarray(mine), np.asarray(first))
@@ -191,14 +239,11 @@ def test_a_new_sequence_starts_from_what_finished_ones_learnt():
     assert int(step_choice(after_useless, POLICY, confident[:1], one)) == 0
     after_good = init_policy(POLICY, 1, CPU_LIKE, good)
     assert int(step_choice(after_good, POLICY, confident[:1], one)) == 4  # k = 7
-    # The wait for a first probe: the shortest of the finished sequences', which a new sequence starts with.
-    waited = state._replace(wait=jnp.array([128, 64], jnp.int32))
-    assert int(remember(waited, jnp.array([True, False])).prior.wait) == 128
-    both = remember(waited, jnp.array([True, True])).prior
-    assert int(both.wait) == 64
-    np.testing.assert_array_equal(np.asarray(init_policy(POLICY, 2, CPU_LIKE, both).wait), [64, 64])
+    # A new sequence's first probe comes after `probe_every` plain steps, however long the finished ones waited.
+    waited = remember(state._replace(wait=jnp.array([128, 64], jnp.int32)), jnp.array([True, True])).prior
+    np.testing.assert_array_equal(np.asarray(init_policy(POLICY, 2, CPU_LIKE, waited).wait), [32, 32])
     with pytest.raises(ValueError, match="one per draft"):
-        init_policy(POLICY, 1, CPU_LIKE, Prior(jnp.zeros(3), jnp.float32(1.0), jnp.int32(32)))
+        init_policy(POLICY, 1, CPU_LIKE, Prior(jnp.zeros(3), jnp.float32(1.0)))
 
 
 def test_batch_takes_the_largest_choice_of_active_sequences():
@@ -302,7 +347,7 @@ def test_h_spec_drafts_no_first_block_when_the_prior_wants_none(target_params, p
     kw = dict(max_new_tokens=32, policy=ENGINE)
     trusting = prefill_at_width_48(bundle, **kw)(prompts[1])[0]
     assert bool(trusting.policy.drafted[0])
-    useless = Prior(jnp.zeros(7), jnp.float32(0.0), jnp.int32(ENGINE.probe_every))
+    useless = Prior(jnp.zeros(7), jnp.float32(0.0))
     skipped = prefill_at_width_48(bundle, prior=useless, **kw)(prompts[1])[0]
     assert not bool(skipped.policy.drafted[0]) and int(skipped.choice) == 0
     assert not np.asarray(skipped.confidence).any()

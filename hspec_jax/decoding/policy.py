@@ -12,11 +12,14 @@ Acceptance estimates, per sequence and slot i (all in the loop state, `PolicySta
   else the top probability of its draft distribution at slot i;
 * decayed sums over the steps in which slot i was verified (reached: all earlier drafts accepted):
   R_i (times reached) and A_i (times accepted), started at `prior_weight` pseudo-steps of acceptance `prior`;
-  a block drafted but then not verified (decision 2 below chose k = 0) counts as slot 1 reached and rejected;
-* one calibration ratio per sequence, A / P: decayed sums over the steps that verified drafts of the drafts
-  accepted (A) and of their predictions c_i (P), started at `prior_weight` pseudo-drafts predicted and accepted
-  alike (so the drafter is trusted at first). It is pooled over slots: slot 1 decides most steps, and a ratio
-  learned there must also temper later slots that have not been reached yet.
+  a block drafted but then not verified (decision 2 below chose k = 0) counts as slot 1 reached, accepted if the
+  target's token of that plain step is the block's first draft (what a verification of one draft would have found
+  under greedy decoding; under sampling the target's token is a sample, so a match stands in for an acceptance);
+* one calibration ratio per sequence, A / P: decayed sums over the steps that verified drafts (or declined a
+  drafted block, its first slot scored as above) of the drafts accepted (A) and of their predictions c_i (P),
+  started at `prior_weight` pseudo-drafts predicted and accepted alike (so the drafter is trusted at first). It is
+  pooled over slots: slot 1 decides most steps, and a ratio learned there must also temper later slots that have
+  not been reached yet.
 
 Two decisions per step, both per sequence:
 
@@ -28,8 +31,8 @@ Two decisions per step, both per sequence:
    of the best yield / cost (a probe at least the smallest k > 0).
 
 An uncalibrated or untrained drafter (high c_i, nothing accepted) thus drives A / P and A_1 / R_1 towards 0
-within a few steps and falls back to plain decoding, probing once every `probe_every` steps (more where a probe costs
-more than two plain steps: `steps_to_probe`).
+within about a dozen steps and falls back to plain decoding, probing once every `probe_every` steps (more where a
+probe costs more than two plain steps: `steps_to_probe`).
 
 Probes back off: a probe after which the history still says drafting does not pay (nothing accepted, or too little
 for the cost table) doubles the plain steps before the next one (up to `probe_max`); a verification after which
@@ -39,12 +42,17 @@ waits B times as long: a probe makes the whole batch verify a wider block, so th
 sequence alone.
 
 Across sequences: a new sequence starts from the engine's `Prior` (per-slot acceptance and calibration ratio,
-weighted `prior_weight` pseudo-steps, and the wait for its first probe), at first the policy's `prior` with full
-trust and `probe_every`; whenever sequences finish, the prior becomes their pooled final estimates. An engine
-that keeps its loop state (serving) or hands the prior on to its next generation (`engine.compile_speculative`,
-`speculative_generate(prior=...)`) thus starts a request with what earlier requests learnt of this drafter: an
-untrained drafter is not trusted again at every request's start, nor probed at the first wait again. It only
-changes which widths are verified, never the output.
+weighted `prior_weight` pseudo-steps), at first the policy's `prior` with full trust; whenever sequences finish, the
+prior becomes their pooled final estimates. An engine that keeps its loop state (serving) or hands the prior on to
+its next generation (`engine.compile_speculative`, `speculative_generate(prior=...)`) thus starts a request with
+what earlier requests learnt of this drafter: an untrained drafter is not trusted again at every request's start.
+Its first probe is still due after `probe_every` plain steps, whatever the waits of earlier sequences had grown to:
+a new text can be as predictable as the earlier ones were not, and a prior that went low on them, handed on with
+their long waits, would never be tested again (measured with `smollm2-hspec-cut` on `eval.main`'s eight tasks x 3
+prompts, 64 tokens each: with the waits handed on, 16 of the 27 sequences never verified a draft; with the first
+probe at `probe_every`, 1 of 27). One probe per sequence costs a drafter that never pays about T(smallest k) - 1
+plain steps in `probe_every` of them, under 2%.
+It only changes which widths are verified, never the output.
 
 Plain steps certain to come (the estimates want no block and no probe is due) run as a run of steps in the engine
 (`speculative.py`) without the drafter and the policy's bookkeeping, so that a plain step costs about what plain
@@ -82,13 +90,16 @@ class AdaptivePolicy:
 
     choices: the draft lengths the loop compiles a verification for, increasing, starting at 0 (a plain step);
     the largest is the drafter's k. prior / prior_weight: the first sequence's acceptance estimate and the weight
-    in steps of every sequence's starting estimates. decay: the weight of older observations (per verification of
-    that slot). probe_every: plain steps in a row after which a sequence drafts again; probe_max: the longest
-    such wait after failed probes."""
+    in steps of every sequence's starting estimates (8: with 2, two misses in a row turned a drafter of slot-1
+    acceptance ~0.45 off for the rest of a 64-token answer and handed the low estimate on; with 8 the eight tasks of
+    `eval.main` drafted 113 steps and accepted 77 drafts against 59 and 21, and an untrained drafter stops drafting
+    within a dozen steps of its first sequence instead of six). decay: the weight of older observations (per
+    verification of that slot). probe_every: plain steps in a row after which a sequence drafts again; probe_max:
+    the longest such wait after failed probes."""
 
     choices: tuple[int, ...] = (0, 1, 2, 4, 7)
     prior: float = 0.5
-    prior_weight: float = 2.0
+    prior_weight: float = 8.0
     decay: float = 0.9
     probe_every: int = 32
     probe_max: int = 256
@@ -121,14 +132,12 @@ class Prior(NamedTuple):
 
     acceptance: jax.Array  # [k] conditional acceptance per slot
     ratio: jax.Array  # [] calibration: drafts accepted per unit of predicted acceptance
-    wait: jax.Array  # [] int32: plain steps in a row before the first probe
 
 
 def first_prior(policy: AdaptivePolicy) -> Prior:
-    """The prior before any sequence finished: acceptance `policy.prior` at every slot, the drafter trusted, a probe
-    after `probe_every` plain steps."""
+    """The prior before any sequence finished: acceptance `policy.prior` at every slot, the drafter trusted."""
     acceptance = jnp.full((policy.max_drafts,), policy.prior, jnp.float32)
-    return Prior(acceptance, jnp.float32(1.0), jnp.int32(policy.probe_every))
+    return Prior(acceptance, jnp.float32(1.0))
 
 
 class PolicyState(NamedTuple):
@@ -156,7 +165,7 @@ def init_policy(policy: AdaptivePolicy, batch: int, costs: jax.Array, prior: Pri
     calibration = policy.prior_weight * jnp.stack([prior.ratio, jnp.float32(1.0)])
     calibration = jnp.broadcast_to(calibration, (batch, 2)).astype(jnp.float32)
     idle = jnp.zeros((batch,), jnp.int32)
-    wait = jnp.full((batch,), prior.wait, jnp.int32)
+    wait = jnp.full((batch,), policy.probe_every, jnp.int32)
     accepted = weight * prior.acceptance.astype(jnp.float32)
     return PolicyState(costs, prior, weight, accepted, calibration, idle, wait, jnp.ones((batch,), bool))
 
@@ -222,24 +231,30 @@ def observe(
     drafts: jax.Array,
     n: jax.Array,
     active: jax.Array,
+    matched: jax.Array,
 ) -> PolicyState:
     """Record a verification of `drafts` (scalar, 0 for a plain step) slots predicted `confidence [B, k]`, in
     which `n [B]` drafts were accepted, for the active sequences `[B]`. A block drafted and then not verified
-    (decision 2 chose k = 0) counts as a rejection at slot 1 in the history: that drafting bought nothing. A
-    probe after which the updated history still wants no block (`best_choice` under the cost table) doubles the
-    sequence's wait for the next probe; a verification after which it wants one sets the wait back to
-    `probe_every`."""
+    (decision 2 chose k = 0) is scored at slot 1 by `matched [B]`, whether the plain step's token is its first
+    draft: in the history and in the calibration, so that blocks declined for too low a prediction still teach
+    the estimates what they would have yielded (counted as rejections, they would stop the drafting of a
+    drafter whose predictions are merely too modest, and keep its calibration where it was). A probe after which
+    the updated history still wants no block (`best_choice` under the cost table) doubles the sequence's wait for
+    the next probe; a verification after which it wants one sets the wait back to `probe_every`."""
     slots = jnp.arange(state.reached.shape[1])
     reached = active[:, None] & (slots < drafts) & (slots <= n[:, None])
     declined = active & state.drafted & (drafts == 0)
-    seen = reached | (declined[:, None] & (slots == 0))
-    hit = (slots < n[:, None]).astype(jnp.float32)
+    first = declined[:, None] & (slots == 0)
+    seen = reached | first
+    hit = jnp.where(first, matched[:, None], slots < n[:, None]).astype(jnp.float32)
     decayed = lambda total, value: jnp.where(seen, policy.decay * total + value, total)
     verified = active & (drafts > 0)
-    pooled = jnp.stack([jnp.sum(hit * reached, -1), jnp.sum(confidence * reached, -1)], -1)
-    calibration = jnp.where(verified[:, None], policy.decay * state.calibration + pooled, state.calibration)
+    pooled = jnp.stack([jnp.sum(hit * seen, -1), jnp.sum(confidence * seen, -1)], -1)
+    calibration = jnp.where(
+        (verified | declined)[:, None], policy.decay * state.calibration + pooled, state.calibration
+    )
     counted = state._replace(
-        reached=decayed(state.reached, 1.0), accepted=decayed(state.accepted, jnp.where(reached, hit, 0.0))
+        reached=decayed(state.reached, 1.0), accepted=decayed(state.accepted, jnp.where(seen, hit, 0.0))
     )
     pays = best_choice(history_acceptance(counted), state.costs, policy.choices) > 0
     failed_probe = verified & probing(state) & ~pays
@@ -260,15 +275,13 @@ def idled(state: PolicyState, steps: jax.Array) -> PolicyState:
 
 def remember(state: PolicyState, finished: jax.Array) -> PolicyState:
     """The prior becomes the pooled estimates of the sequences that just `finished [B]` (unchanged if none did):
-    per slot, their accepted over reached counts; their drafts accepted over predicted; the shortest of their waits
-    for a probe."""
+    per slot, their accepted over reached counts; their drafts accepted over predicted."""
     f = finished.astype(jnp.float32)
     pool = lambda x: jnp.sum(f[:, None] * x, 0)  # [B, n] -> [n]
     acceptance = pool(state.accepted) / jnp.maximum(pool(state.reached), 1e-6)
     calibration = pool(state.calibration)
     ratio = calibration[0] / jnp.maximum(calibration[1], 1e-6)
-    wait = jnp.min(jnp.where(finished, state.wait, jnp.iinfo(jnp.int32).max))
-    learned = Prior(acceptance, ratio, wait)
+    learned = Prior(acceptance, ratio)
     any_finished = jnp.any(finished)
     return state._replace(prior=jax.tree.map(lambda new, old: jnp.where(any_finished, new, old), learned, state.prior))
 

@@ -464,7 +464,8 @@ def spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sam
             draft_tokens, probs, confidence, context = draft(*operands, context)
             estimates, choice = None, s.choice
         else:
-            estimates = remember(observe(s.policy, policy, s.confidence, drafts, n, active), active & s.done)
+            matched = s.draft[:, 0] == s.anchor  # a declined block's first draft against the plain step's token
+            estimates = remember(observe(s.policy, policy, s.confidence, drafts, n, active, matched), active & s.done)
             drafting = wants_draft(estimates, policy, ~s.done)
             kept = (s.draft, s.draft_probs, jnp.zeros_like(s.confidence), context, operands)
             draft_tokens, probs, confidence, context, (inputs, _) = _when(drafting, draft_carried, kept)
