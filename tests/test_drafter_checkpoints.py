@@ -105,6 +105,46 @@ def test_an_lm_head_equal_to_the_targets_rows_is_not_stored(tmp_path):
     np.testing.assert_array_equal(restored["lm_head"], params["lm_head"] + 1)
 
 
+def test_convert_resaves_a_training_export_as_the_shipped_drafters_are_stored(tmp_path, capsys):
+    """`convert --format drafter` from a drafter checkpoint (a training run's fp32 export, its lm_head stored)
+    writes it in bfloat16 with the lm_head left to the target and its `training.json` beside it; `--dtype` stays
+    refused for a speculators import."""
+    import ml_dtypes
+    import safetensors.numpy
+
+    from hspec_jax.checkpoints.convert import main as convert_main
+    from hspec_jax.checkpoints.hf import export_hf_target
+    from hspec_jax.cli import run
+
+    target_params = init_params(TARGET, jax.random.key(0))
+    export_hf_target(target_params, TARGET, str(tmp_path / "target"))
+    config = drafter_from_recipe(RECIPE, "hspec", TARGET)
+    vocab = build_draft_vocab(np.arange(200) % 90, TARGET.vocab_size, config.vocab_size)
+    params = init_from_target(init_drafter(config, jax.random.key(1)), config, target_params, vocab)
+    save_drafter(str(tmp_path / "run"), params, config, vocab)
+    (tmp_path / "run" / "training.json").write_text('{"step": 7}')
+    target = ["--target", str(tmp_path / "target")]
+    argv = ["--from", str(tmp_path / "run"), "--to", str(tmp_path / "bf16"), "--format", "drafter", *target]
+    assert convert_main([*argv, "--dtype", "bfloat16"]) == 0
+    assert "wrote hspec drafter in bfloat16" in capsys.readouterr().out
+    stored = safetensors.numpy.load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    assert "lm_head" not in stored and {v.dtype for v in stored.values()} == {np.dtype(ml_dtypes.bfloat16)}
+    assert json.loads((tmp_path / "bf16" / "hspec_drafter.json").read_text())["from_target"] == ["lm_head"]
+    assert json.loads((tmp_path / "bf16" / "training.json").read_text()) == {"step": 7}
+    _, restored, _ = restore_drafter(str(tmp_path / "bf16"), TARGET, target_params)
+    rounded = jax.tree.map(lambda p: np.asarray(p).astype(ml_dtypes.bfloat16).astype(np.float32), params)
+    jax.tree.map(np.testing.assert_array_equal, restored, {**rounded, "lm_head": params["lm_head"]})
+    assert run(convert_main, [*argv[:3], str(tmp_path / "other"), *argv[4:]]) == 0  # without --dtype: as stored
+    jax.tree.map(
+        np.testing.assert_array_equal, restore_drafter(str(tmp_path / "other"), TARGET, target_params)[1], params
+    )
+    spec = ["--from", str(tmp_path / "spec"), "--to", str(tmp_path / "x"), "--format", "drafter", *target]
+    with pytest.raises(SystemExit) as exit_status:
+        convert_main([*spec, "--dtype", "bfloat16"])
+    assert exit_status.value.code == 2
+    assert "--dtype does not apply to importing from speculators" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_shipped_drafters_load_by_name(smollm2):
     target, target_params = smollm2

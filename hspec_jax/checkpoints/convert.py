@@ -5,6 +5,12 @@ python -m hspec_jax.checkpoints.convert --from smollm2 --to runs/smollm2-orbax
 python -m hspec_jax.checkpoints.convert --from model.gguf --to runs/smollm2-hf --format hf --dtype bfloat16
 python -m hspec_jax.checkpoints.convert --from runs/x/drafter --to runs/x.spec --format speculators --target smollm2
 python -m hspec_jax.checkpoints.convert --from runs/x.spec --to runs/x-drafter --format drafter --target smollm2
+python -m hspec_jax.checkpoints.convert --from runs/x/drafter --to runs/x-bf16 --format drafter --target smollm2 \
+    --dtype bfloat16
+
+The last re-saves a drafter checkpoint (a training run's export) as the shipped drafters are stored: its weights in
+bfloat16 and its lm_head left out where it equals the target's rows in that dtype (loaded from the target), with
+its `training.json` copied beside them.
 
 Every argument is checked before any weights are read: the source exists and its config is readable, the
 destination is absent or empty, writable, and has room for the weights. The output directory appears only
@@ -13,11 +19,20 @@ when complete; a disk that fills up while writing is reported as "no space left 
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 
 import jax
 
-from hspec_jax.checkpoints.drafter_io import read_drafter_config, restore_drafter, save_drafter, target_lm_head
+from hspec_jax.checkpoints.drafter_io import (
+    MANIFEST,
+    read_drafter_config,
+    resolve_drafter,
+    restore_drafter,
+    save_drafter,
+    target_lm_head,
+)
 from hspec_jax.checkpoints.hf import CheckpointError, check_output_directory, export_hf_target
 from hspec_jax.checkpoints.orbax_io import save_target
 from hspec_jax.checkpoints.sources import load_target, load_tokenizer, read_target_config
@@ -33,6 +48,7 @@ from hspec_jax.drafters.config import WINDOW_MODES, check_target
 from hspec_jax.models import param_shapes
 
 FORMATS = ("orbax", "hf", "speculators", "drafter")
+TRAINING_RECORD = "training.json"
 
 
 def parse_args(argv: list[str] | None = None):
@@ -42,14 +58,16 @@ def parse_args(argv: list[str] | None = None):
         dest="source",
         required=True,
         help="smollm2, an HF directory, a .gguf file or an Orbax target; with --format speculators a drafter "
-        "checkpoint directory; with --format drafter a speculators checkpoint (directory or its config/safetensors)",
+        "checkpoint directory; with --format drafter a speculators checkpoint (directory or its config/safetensors) "
+        "or a drafter checkpoint to re-save (e.g. in --dtype bfloat16)",
     )
     parser.add_argument("--to", required=True, help="output directory (must not exist or be empty)")
     parser.add_argument(
         "--format",
         choices=FORMATS,
         default="orbax",
-        help="output format: orbax / hf (targets), speculators (export a drafter), drafter (import a speculators one)",
+        help="output format: orbax / hf (targets), speculators (export a drafter), drafter (import a speculators one "
+        "or re-save a drafter checkpoint)",
     )
     parser.add_argument(
         "--dtype", type=float_dtype, default=None, help="store weights in this dtype (e.g. bfloat16); default: keep"
@@ -70,10 +88,15 @@ def parse_args(argv: list[str] | None = None):
     )
     f = parser.parse_args(argv)
     if f.format == "drafter" and f.target is None:
-        parser.error("--format drafter (import from speculators) needs --target")
-    if f.format == "drafter" and f.dtype is not None:
-        parser.error("--dtype does not apply to --format drafter (the drafter keeps the target's dtype)")
+        parser.error("--format drafter (import from speculators, or re-save a drafter) needs --target")
+    if f.format == "drafter" and f.dtype is not None and not is_drafter_checkpoint(f.source):
+        parser.error("--dtype does not apply to importing from speculators (the drafter keeps the target's dtype)")
     return f
+
+
+def is_drafter_checkpoint(spec: str) -> bool:
+    """Whether `spec` (a directory or shipped drafter name) is an hspec-jax drafter checkpoint."""
+    return os.path.isfile(os.path.join(resolve_drafter(spec), MANIFEST))
 
 
 def export_drafter(f) -> int:
@@ -110,10 +133,28 @@ def import_drafter(f) -> int:
     return 0
 
 
+def resave_drafter(f) -> int:
+    """A drafter checkpoint -> the same drafter in `--dtype`, its lm_head left to the target where equal, with the
+    source's `training.json` (a training run's record) copied beside it."""
+    check_output_directory(f.to)
+    target, target_params = load_target(f.target)
+    config, params, vocab = restore_drafter(f.source, target, target_params)
+    dtype = None if f.dtype is None else jax.numpy.dtype(f.dtype)
+    save_drafter(f.to, params, config, vocab, dtype=dtype, target_rows=target_lm_head(target_params, config, vocab))
+    record = os.path.join(resolve_drafter(f.source), TRAINING_RECORD)
+    if os.path.isfile(record):
+        shutil.copyfile(record, os.path.join(f.to, TRAINING_RECORD))
+    stored = "as stored" if f.dtype is None else f"in {f.dtype}"
+    print(f"wrote {config.kind} drafter {stored} to {f.to}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     f = parse_args(argv)
     if f.format == "speculators":
         return export_drafter(f)
+    if f.format == "drafter" and is_drafter_checkpoint(f.source):
+        return resave_drafter(f)
     if f.format == "drafter":
         return import_drafter(f)
     overrides = {"param_dtype": f.dtype} if f.dtype else {}
