@@ -68,7 +68,7 @@ def data_section() -> ml_collections.ConfigDict:
             "sources": "sharegpt",  # comma-separated source specs with weights, see train/data.py
             "seq_len": 2048,  # packed row length L
             "max_anchors": 512,  # blocks per packed row (A)
-            "seed": 0,  # shuffling and anchor sampling
+            "seed": 0,  # shuffling and anchor sampling of the training data (held-out rows: a fixed seed)
             "exclude_eval_prompts": True,  # drop conversations containing an evaluation prompt
             # Conversations never trained on (a local file; any training conversation sharing a user turn with
             # one is dropped), measured every `train.eval_every` steps; "" = the last `held_out_prompts`

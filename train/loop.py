@@ -229,9 +229,15 @@ def setup(config: ml_collections.ConfigDict, workdir: str, loaded, held_out_conv
     )
 
 
-def recipe_iterator(data, tokenizer, config: ml_collections.ConfigDict, block_size: int):
+# The seed that packs and anchors the held-out batches: fixed, so that a run with another `data.seed` measures the
+# same held-out rows (0: what every run measured while the held-out batches followed `data.seed`, which was 0).
+HELD_OUT_SEED = 0
+
+
+def recipe_iterator(data, tokenizer, config: ml_collections.ConfigDict, block_size: int, seed: int | None = None):
     """This process's packed, anchored batches of `data` as the recipe sets them (`data.seq_len`, `max_anchors`,
-    `seed`, `train.batch_size`): the training stream and the held-out batches are packed the same way."""
+    `train.batch_size`, and `seed`, default `data.seed`): the training stream and the held-out batches are packed
+    the same way."""
     return make_train_iterator(
         data,
         tokenizer,
@@ -239,7 +245,7 @@ def recipe_iterator(data, tokenizer, config: ml_collections.ConfigDict, block_si
         batch_size=config.train.batch_size,
         max_anchors=config.data.max_anchors,
         block_size=block_size,
-        seed=config.data.seed,
+        seed=config.data.seed if seed is None else seed,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
     )
@@ -249,12 +255,13 @@ def fixed_batches(
     conversations, tokenizer, config: ml_collections.ConfigDict, block_size: int, mesh, count: int | None = None
 ) -> list:
     """The first `count` (default `data.held_out_batches`) global batches (dicts of BATCH_KEYS arrays
-    `[batch_size, ...]`, placed on the mesh) of `conversations` packed and anchored like training data with
-    `data.seed`: the same batches at every evaluation and on resume. Conversations repeat only when the batches
-    need more rows than they fill; none without conversations."""
+    `[batch_size, ...]`, placed on the mesh) of `conversations` packed and anchored like training data, with
+    `HELD_OUT_SEED` whatever `data.seed` is: the same batches at every evaluation, on resume, and in runs that
+    draw their training data in another order (their held-out numbers compare). Conversations repeat only when the
+    batches need more rows than they fill; none without conversations."""
     if not conversations:
         return []
-    iterator = recipe_iterator(conversations, tokenizer, config, block_size)
+    iterator = recipe_iterator(conversations, tokenizer, config, block_size, seed=HELD_OUT_SEED)
     count = config.data.held_out_batches if count is None else count
     return [global_batch(mesh, next(iterator)) for _ in range(count)]
 
