@@ -115,29 +115,18 @@ def test_drafts_that_are_never_verified_stop_the_drafting():
     history turns it off within a few steps (no drafter call on plain steps), until a probe is due."""
     state = init_policy(POLICY, 1, CPU_LIKE)
     active, hopeless = jnp.array([True]), jnp.full((1, 7), 0.01)
+
+    def plain_step(state, drafted):  # k = 0, after a block drafted (or not) whose first draft was wrong
+        none = jnp.zeros(1, jnp.int32)
+        return observe(state._replace(drafted=drafted), POLICY, hopeless, jnp.int32(0), none, active, ~active)
+
     steps = 0
     while bool(wants_draft(state, POLICY, active)):
         assert int(step_choice(state, POLICY, hopeless, active)) == 0
-        state = observe(
-            state._replace(drafted=active),
-            POLICY,
-            hopeless,
-            jnp.int32(0),
-            jnp.zeros(1, jnp.int32),
-            active,
-            jnp.zeros_like(active),
-        )
+        state = plain_step(state, active)
         steps += 1
     assert 1 <= steps <= 12
-    plain = observe(
-        state._replace(drafted=~active),
-        POLICY,
-        hopeless,
-        jnp.int32(0),
-        jnp.zeros(1, jnp.int32),
-        active,
-        jnp.zeros_like(active),
-    )
+    plain = plain_step(state, ~active)
     np.testing.assert_array_equal(plain.reached, state.reached)  # a plain step without a draft: nothing learnt
 
 

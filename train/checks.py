@@ -12,6 +12,7 @@ import os
 
 import ml_collections
 
+from hspec_jax.checkpoints.drafter_io import TRAINING_RECORD
 from hspec_jax.cli import check_output_dir
 from hspec_jax.errors import InputError
 from hspec_jax.models import TargetConfig
@@ -163,7 +164,7 @@ def read_recorded_recipe(workdir: str) -> dict | None:
     """The recipe `workdir/recipe.json` holds (a work directory from before that file: the recipe its exported
     drafter's `training.json` records), None for a new work directory."""
     path = os.path.join(workdir, RECIPE_FILE)
-    exported = os.path.join(workdir, "drafter", "training.json")
+    exported = os.path.join(workdir, "drafter", TRAINING_RECORD)
     if not os.path.exists(path) and os.path.exists(exported):
         path = exported
     if not os.path.exists(path):

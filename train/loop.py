@@ -27,6 +27,7 @@ from jax.experimental import multihost_utils
 from hspec_jax import parallel
 from hspec_jax.chat import chat_prompt_ids
 from hspec_jax.checkpoints.drafter_io import (
+    TRAINING_RECORD,
     save_drafter,
     target_lm_head,
 )
@@ -370,7 +371,7 @@ def export_drafter(run: Run, params: dict, step: int, metrics: dict) -> None:
     save_drafter(fresh, params, run.drafter, run.vocab, target_rows=rows)
     record = {"step": step, "recipe": run.config.to_dict(), "data": run.data_report, "metrics": metrics}
     # Data files under the repository are recorded relative to it (`data/...`), as a shipped drafter shows them.
-    with open(os.path.join(fresh, "training.json"), "w") as f:
+    with open(os.path.join(fresh, TRAINING_RECORD), "w") as f:
         f.write(portable(json.dumps(record, indent=2, default=str), REPOSITORY))
     if os.path.exists(final):
         os.replace(final, old)

@@ -27,6 +27,7 @@ import jax
 
 from hspec_jax.checkpoints.drafter_io import (
     MANIFEST,
+    TRAINING_RECORD,
     read_drafter_config,
     resolve_drafter,
     restore_drafter,
@@ -48,7 +49,6 @@ from hspec_jax.drafters.config import WINDOW_MODES, check_target
 from hspec_jax.models import param_shapes
 
 FORMATS = ("orbax", "hf", "speculators", "drafter")
-TRAINING_RECORD = "training.json"
 
 
 def parse_args(argv: list[str] | None = None):

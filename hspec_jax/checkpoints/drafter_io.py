@@ -46,6 +46,7 @@ from hspec_jax.models.decoder import lm_head_matrix
 
 MANIFEST = "hspec_drafter.json"
 VOCAB = "vocab.npz"
+TRAINING_RECORD = "training.json"  # beside a training run's export: the step, the recipe, the data, the metrics
 FORMAT = "hspec-jax-drafter"
 
 

@@ -293,8 +293,8 @@ def remember(state: PolicyState, finished: jax.Array) -> PolicyState:
     ratio = calibration[0] / jnp.maximum(calibration[1], 1e-6)
     learned = Prior(acceptance, ratio)
     any_finished = jnp.any(finished)
-    mixed = jax.tree.map(lambda new, old: old + PRIOR_MIX * (new - old), learned, state.prior)
-    return state._replace(prior=jax.tree.map(lambda new, old: jnp.where(any_finished, new, old), mixed, state.prior))
+    moved = lambda new, old: jnp.where(any_finished, old + PRIOR_MIX * (new - old), old)
+    return state._replace(prior=jax.tree.map(moved, learned, state.prior))
 
 
 def pinned_costs(policy: AdaptivePolicy, index: int) -> jax.Array:
