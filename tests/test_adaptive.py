@@ -30,6 +30,7 @@ from hspec_jax.decoding.policy import (
     AdaptivePolicy,
     Prior,
     best_choice,
+    draft_width,
     expected_yield,
     first_prior,
     history_acceptance,
@@ -41,6 +42,7 @@ from hspec_jax.decoding.policy import (
     step_choice,
     steps_to_probe,
     wants_draft,
+    widened,
 )
 from hspec_jax.decoding.speculative import (
     PENDING_ROWS,
@@ -259,6 +261,24 @@ def test_batch_takes_the_largest_choice_of_active_sequences():
     assert int(step_choice(state, POLICY, confidence, jnp.array([True, False, False]))) == 0
 
 
+def test_a_block_is_drafted_as_wide_as_the_history_wants_and_wider_after_every_draft_was_accepted():
+    state = init_policy(POLICY, 2, CPU_LIKE)  # the prior: slot acceptance 0.5, under which k = 2 pays best
+    active = jnp.array([True, True])
+    width = int(draft_width(state, POLICY, active))
+    assert POLICY.choices[width] == 2
+    confident = jnp.full((2, 7), 0.99)
+    assert int(step_choice(state, POLICY, confident, active)) == 4  # a block of 7 so confident would verify all 7
+    assert int(step_choice(state, POLICY, confident, active, width)) == width  # a block of 2 verifies at most 2
+    assert int(step_choice(state, POLICY, jnp.full((2, 7), 0.05), active, width)) == 0  # or declines it
+    # After a step that verified k = 2: the sequence that accepted both drafts gets its next block one choice wider.
+    least = widened(POLICY, jnp.int32(width), jnp.int32(2), jnp.array([2, 1]))
+    assert least.tolist() == [width + 1, 0]
+    assert int(draft_width(state, POLICY, active, least)) == width + 1
+    assert int(draft_width(state, POLICY, active.at[0].set(False), least)) == width
+    assert widened(POLICY, jnp.int32(4), jnp.int32(7), jnp.array([7, 7])).tolist() == [4, 4]  # none wider than k
+    assert widened(POLICY, jnp.int32(0), jnp.int32(0), jnp.array([0, 0])).tolist() == [0, 0]  # a plain step
+
+
 def generate_auto(target, params, config, vocab, prompts, costs, **kw):
     tokens, lengths = pad_batch(prompts)
     return speculative_generate(
@@ -357,6 +377,22 @@ def test_h_spec_drafts_no_first_block_when_the_prior_wants_none(target_params, p
     assert not np.asarray(skipped.confidence).any()
 
 
+@pytest.mark.parametrize("kind", ["hspec", "dflash"])
+def test_a_block_is_drafted_only_as_far_as_it_may_be_verified(kind, target_params, prompts):
+    """Under the CPU-like costs the prior's estimates choose k = 2 of (0, 2, 7): the first block is the drafter's
+    block cut to 2 drafts (for the bidirectional DFlash, unlike the first 2 slots of a block of 7), its other slots
+    empty, and at most k = 2 is verified."""
+    config, params, vocab = random_drafter(kind, target_params, np.concatenate(prompts))
+    state = prefill_at_width_48(Bundle(target_params, TARGET, params, config, vocab), max_new_tokens=32, policy=ENGINE)
+    state = state(prompts[1])[0]
+    assert bool(state.policy.drafted[0]) and int(state.choice) <= 1
+    assert not np.asarray(state.draft)[:, 2:].any() and not np.asarray(state.confidence)[:, 2:].any()
+    narrow = Bundle(target_params, TARGET, params, config.with_drafts(2), vocab)
+    fixed = prefill_at_width_48(narrow, max_new_tokens=32)(prompts[1])[0]  # a fixed k = 2, no policy
+    np.testing.assert_array_equal(np.asarray(state.draft)[:, :2], np.asarray(fixed.draft))
+    np.testing.assert_allclose(np.asarray(state.confidence)[:, :2], np.asarray(fixed.confidence), rtol=1e-5)
+
+
 def assert_same_drafter_rows(context, fresh_context, committed):
     for mine, theirs in zip(jax.tree.leaves(context), jax.tree.leaves(fresh_context), strict=True):
         np.testing.assert_allclose(np.asarray(mine)[:, :committed], np.asarray(theirs)[:, :committed], atol=1e-4)
@@ -380,7 +416,7 @@ def test_drafter_state_after_plain_steps_is_what_a_fresh_prefill_gives(kind, tar
     state = state._replace(policy=state.policy._replace(costs=pinned_costs(ENGINE, 2)))
     state, cache, context = spec_decode_chunk(bundle, state, cache, context, 1, **kw)
     emitted = [int(t) for t in np.asarray(state.tokens[0, : int(state.num[0])])]
-    fresh, fresh_cache, fresh_context = prefill(prompt + emitted[:-1])
+    fresh, fresh_cache, fresh_context = prefill(prompt + emitted[:-1], pinned_costs(ENGINE, 2))  # drafts all 7 too
     assert int(fresh.anchor[0]) == emitted[-1] == int(state.anchor[0])
     np.testing.assert_array_equal(np.asarray(state.draft), np.asarray(fresh.draft))
     np.testing.assert_allclose(np.asarray(state.seed), np.asarray(fresh.seed), atol=1e-4)

@@ -23,12 +23,17 @@ Acceptance estimates, per sequence and slot i (all in the loop state, `PolicySta
 
 Two decisions per step, both per sequence:
 
-1. *whether to draft* the next block (before the drafter runs): with the history estimate a_i = A_i / R_i, is
-   the best k > 0 worth more than a plain step? Otherwise the next step is a plain one and the drafter is not
+1. *whether and how far to draft* the next block (before the drafter runs): with the history estimate
+   a_i = A_i / R_i, the k of the best yield / cost. If it is 0, the next step is a plain one and the drafter is not
    called. A sequence that took `probe_every` plain steps in a row drafts anyway (a probe, with at least the
-   smallest k > 0), so its estimates can recover when the text turns predictable again.
+   smallest k > 0), so its estimates can recover when the text turns predictable again. The drafter drafts only
+   the slots of the widest k an active sequence chose (`draft_width`), one choice wider for a sequence whose last
+   verification accepted every draft (`widened`): on CPU, where drafting costs a third of a plain step and grows
+   with the block, a block of 3 drafted as 3 slots instead of 7 costs a third less
+   (benchmarks/results/draft_width.md).
 2. *how far to verify* (after drafting): with the calibrated prediction a_i = min(1, c_i * A / P), the k
-   of the best yield / cost (a probe at least the smallest k > 0).
+   of the best yield / cost among the choices up to the drafted width (a probe at least the smallest k > 0);
+   0 declines the block.
 
 An uncalibrated or untrained drafter (high c_i, nothing accepted) thus drives A / P and A_1 / R_1 towards 0
 within about a dozen steps and falls back to plain decoding, probing once every `probe_every` steps (more where a
@@ -188,9 +193,15 @@ def expected_yield(acceptance: jax.Array, choices: tuple[int, ...]) -> jax.Array
     return 1.0 + padded[:, jnp.asarray(choices)]
 
 
-def best_choice(acceptance: jax.Array, costs: jax.Array, choices: tuple[int, ...]) -> jax.Array:
-    """`[B, k]` acceptance, costs `[C]` -> `[B]` index of the choice of the best yield per unit of cost."""
-    return jnp.argmax(expected_yield(acceptance, choices) / costs, axis=-1).astype(jnp.int32)
+def best_choice(
+    acceptance: jax.Array, costs: jax.Array, choices: tuple[int, ...], widest: jax.Array | int | None = None
+) -> jax.Array:
+    """`[B, k]` acceptance, costs `[C]` -> `[B]` index of the choice of the best yield per unit of cost, among the
+    choices up to index `widest` (scalar; None: all)."""
+    value = expected_yield(acceptance, choices) / costs
+    if widest is not None:
+        value = jnp.where(jnp.arange(len(choices)) <= widest, value, -jnp.inf)
+    return jnp.argmax(value, axis=-1).astype(jnp.int32)
 
 
 def history_acceptance(state: PolicyState) -> jax.Array:
@@ -220,16 +231,45 @@ def probing(state: PolicyState) -> jax.Array:
     return steps_to_probe(state) <= 0
 
 
-def wants_draft(state: PolicyState, policy: AdaptivePolicy, active: jax.Array) -> jax.Array:
-    """Decision 1, before drafting: scalar, whether any active sequence wants a next block."""
+def draft_width(
+    state: PolicyState, policy: AdaptivePolicy, active: jax.Array, least: jax.Array | None = None
+) -> jax.Array:
+    """Decision 1, before drafting: scalar index into `choices` of the draft length to draft the next block at,
+    the largest any active sequence chose by its history (a probing sequence at least choice 1, each sequence at
+    least its `least [B]`, if given); 0: no block."""
     best = best_choice(history_acceptance(state), state.costs, policy.choices)
-    return jnp.any(active & ((best > 0) | probing(state)))
+    best = jnp.where(probing(state), jnp.maximum(best, 1), best)
+    if least is not None:
+        best = jnp.maximum(best, least)
+    return jnp.max(jnp.where(active, best, 0))
 
 
-def step_choice(state: PolicyState, policy: AdaptivePolicy, confidence: jax.Array, active: jax.Array) -> jax.Array:
-    """Decision 2, after drafting with predictions `confidence [B, k]`: scalar index into `choices` of the
-    next step's k, the largest any active sequence chose (a probing sequence at least choice 1)."""
-    best = best_choice(calibrated_acceptance(state, confidence), state.costs, policy.choices)
+def widened(policy: AdaptivePolicy, choice: jax.Array, drafts: jax.Array, n: jax.Array) -> jax.Array:
+    """`[B]` the least width (`draft_width`'s `least`) after a step that verified `choices[choice]` = `drafts`
+    (scalars) and accepted `n [B]`: one choice wider for a sequence that accepted every draft, else 0. The history
+    knows nothing of the slots past the widths verified, so without this a drafter whose blocks are always fully
+    accepted would stay at the width its first estimates chose: a wider block is drafted, and decision 2 verifies
+    it as far as the drafter's predictions say it pays."""
+    full = (drafts > 0) & (n == drafts)
+    return jnp.where(full, jnp.minimum(choice + 1, len(policy.choices) - 1), 0).astype(jnp.int32)
+
+
+def wants_draft(state: PolicyState, policy: AdaptivePolicy, active: jax.Array) -> jax.Array:
+    """Scalar: whether any active sequence wants a next block (`draft_width` > 0)."""
+    return draft_width(state, policy, active) > 0
+
+
+def step_choice(
+    state: PolicyState,
+    policy: AdaptivePolicy,
+    confidence: jax.Array,
+    active: jax.Array,
+    width: jax.Array | int | None = None,
+) -> jax.Array:
+    """Decision 2, after drafting a block of `choices[width]` slots (None: the drafter's k) with predictions
+    `confidence [B, k]`: scalar index into `choices` of the next step's k, at most `width`, the largest any active
+    sequence chose (a probing sequence at least choice 1)."""
+    best = best_choice(calibrated_acceptance(state, confidence), state.costs, policy.choices, width)
     best = jnp.where(probing(state), jnp.maximum(best, 1), best)
     return jnp.max(jnp.where(active, best, 0))
 

@@ -49,6 +49,7 @@ from hspec_jax.decoding.policy import (
     AdaptivePolicy,
     PolicyState,
     Prior,
+    draft_width,
     first_prior,
     idled,
     init_policy,
@@ -58,6 +59,7 @@ from hspec_jax.decoding.policy import (
     step_choice,
     steps_to_probe,
     wants_draft,
+    widened,
 )
 from hspec_jax.decoding.proposal import propose
 from hspec_jax.decoding.sampling import SamplingConfig, probabilities, sample
@@ -219,6 +221,38 @@ def draft_next(bundle: Bundle, sampling, inputs: DraftInputs, rng):
     return proposal.tokens, probs, proposal.confidence, context
 
 
+def draft_narrow(bundle: Bundle, sampling, inputs: DraftInputs, rng, drafts: int):
+    """`draft_next` with the drafter drafting only `drafts` (static, at most its k) slots, its block cut to that
+    length, the outputs padded to k slots (tokens 0, probabilities and confidence 0: never verified). An H-Spec
+    drafter (causal inside the block) drafts the same first tokens as at full width, in less time."""
+    k = bundle.drafter.num_drafts
+    if drafts == k:
+        return draft_next(bundle, sampling, inputs, rng)
+    narrow = bundle.replace(drafter=bundle.drafter.with_drafts(drafts))
+    block = inputs.block_tokens[..., : narrow.drafter.block_size]
+    tokens, probs, confidence, context = draft_next(narrow, sampling, inputs.replace(block_tokens=block), rng)
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, k - drafts), *((0, 0),) * (x.ndim - 2)))
+    return pad(tokens), pad(probs), pad(confidence), context
+
+
+def _draft_at_width(bundle: Bundle, sampling, choices: tuple[int, ...], width: jax.Array, kept: tuple) -> tuple:
+    """The block drafted at `choices[width]` slots (`draft_narrow`), only that width's drafter running (each in its
+    own `_when`, so the drafter-side cache is updated in place); `kept` = (tokens, probs, confidence, context,
+    (inputs, rng)) when `width` is 0. Returns the same five. The operands go through `_when`'s loop (its barrier):
+    were they loop invariants of the decoding loop, XLA would hoist the whole drafter out of it and run it on every
+    step, drafting or not."""
+    out = kept
+    for i, drafts in enumerate(choices):
+        if drafts:
+
+            def drafted(carry, drafts=drafts):
+                (inputs, rng), context = carry[4], carry[3]
+                return (*draft_narrow(bundle, sampling, inputs.replace(drafter_cache=context), rng, drafts), carry[4])
+
+            out = _when(width == i, drafted, out)
+    return out
+
+
 def _fused(hidden: tuple[jax.Array, ...]) -> jax.Array:
     return jnp.concatenate(hidden, axis=-1)
 
@@ -335,14 +369,14 @@ def spec_prefill_unjitted(
         estimates = init_policy(policy, batch, costs, prior)
         # A drafter with its own cache always drafts here (the prompt's rows go into its cache); H-Spec only when
         # the prior wants a block: an engine that learnt a drafter does not pay calls it would not use.
+        width = draft_width(estimates, policy, ~done)
         if drafter.owns_kv_cache:
-            drafting = jnp.bool_(True)
-            draft, probs, confidence, context = first_block(operands)
-        else:
-            drafting = wants_draft(estimates, policy, ~done)
-            blank = jax.tree.map(jnp.zeros_like, jax.eval_shape(first_block, operands))
-            draft, probs, confidence, context = jax.lax.cond(drafting, first_block, lambda _: blank, operands)
-        choice = jnp.where(drafting, step_choice(estimates, policy, confidence, ~done), 0)
+            width = jnp.maximum(width, 1)
+        drafting = width > 0
+        blank = jax.tree.map(jnp.zeros_like, jax.eval_shape(first_block, operands)[:3])
+        kept = (*blank, context, operands)
+        draft, probs, confidence, context, _ = _draft_at_width(bundle, sampling, choices, width, kept)
+        choice = jnp.where(drafting, step_choice(estimates, policy, confidence, ~done, width), 0)
         estimates = estimates._replace(drafted=jnp.broadcast_to(drafting, (batch,)))
     pending = _no_pending(inputs.seed_hidden, cache.lengths) if policy is not None and drafter.owns_kv_cache else None
     state = SpecState(
@@ -428,12 +462,6 @@ def spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sam
     def draft(inputs, rng, context):
         return draft_next(bundle, sampling, inputs.replace(drafter_cache=context), rng)
 
-    def draft_carried(carry):
-        """`draft` on inputs carried by `_when`'s loop (through its barrier): were they loop invariants, XLA would
-        hoist the whole drafter out of the loop and run it on every step, drafting or not."""
-        operands, context = carry[4], carry[3]
-        return (*draft(*operands, context), operands)
-
     def in_plain_run(operand):
         """The rest of a step of a run of certain plain steps: only what plain decoding does plus the taps (no
         drafter, no policy arithmetic). Sequences that finish during the run are remembered together at its end
@@ -466,15 +494,18 @@ def spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sam
         else:
             matched = s.draft[:, 0] == s.anchor  # a declined block's first draft against the plain step's token
             estimates = remember(observe(s.policy, policy, s.confidence, drafts, n, active, matched), active & s.done)
-            drafting = wants_draft(estimates, policy, ~s.done)
+            width = draft_width(estimates, policy, ~s.done, widened(policy, s.choice, drafts, n))
+            drafting = width > 0
             kept = (s.draft, s.draft_probs, jnp.zeros_like(s.confidence), context, operands)
-            draft_tokens, probs, confidence, context, (inputs, _) = _when(drafting, draft_carried, kept)
+            draft_tokens, probs, confidence, context, (inputs, _) = _draft_at_width(
+                bundle, sampling, choices, width, kept
+            )
             cache = inputs.target_cache
             if pending is not None:
                 pending, context = _after_plain_or_draft(
                     bundle, pending, context, taps, active, drafting, cache.lengths
                 )
-            choice = jnp.where(drafting, step_choice(estimates, policy, confidence, ~s.done), 0)
+            choice = jnp.where(drafting, step_choice(estimates, policy, confidence, ~s.done, width), 0)
             estimates = estimates._replace(drafted=jnp.broadcast_to(drafting, (batch,)))
         s = s._replace(
             draft=draft_tokens,
