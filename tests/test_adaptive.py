@@ -468,7 +468,8 @@ def test_costs_are_measured_once_per_machine_and_shape(tmp_path, monkeypatch):
 def test_costs_are_measured_in_one_running_generation(tmp_path, monkeypatch):
     """Every reading swaps its pinned table into the live loop state (with a fresh idle count, so a plain reading
     never probes) and takes one untimed step to change width first: one prefill serves every reading until the
-    generation ends, and then a fresh one starts."""
+    generation ends, and then a fresh one starts (also when the untimed step ends it: a timed run of a finished
+    generation times nothing, and read a plain step at 1 ms)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     policy = AdaptivePolicy.for_drafts(7, "cpu")
     steps, readings = cost_model.MEASURED_STEPS, len(policy.choices) * (cost_model.ROUNDS + 1)  # + 1 warm-up each
@@ -483,6 +484,7 @@ def test_costs_are_measured_in_one_running_generation(tmp_path, monkeypatch):
         def chunk(carry, n):
             state, cache = carry
             assert cache == "cache" and int(state.policy.idle[0]) + n < policy.probe_every  # no probe
+            assert n != steps or not bool(state.done.all())  # never a timed run of a finished generation
             runs.append((int(jnp.argmin(state.policy.costs)), n))
             step, idle = state.step + n, state.policy.idle + n  # as if every step were plain
             state = state._replace(step=step, done=jnp.full(1, int(step) >= ends_after))
@@ -499,6 +501,8 @@ def test_costs_are_measured_in_one_running_generation(tmp_path, monkeypatch):
     assert all(a == b for (a, _), (b, _) in zip(runs[1::2], runs[2::2], strict=True))  # ... to the pinned one
     runs, prefills = measure(2 * steps + 1)  # ends with every second reading: a fresh prefill before the next one
     assert len(prefills) == (readings + 1) // 2 and len(runs) == readings + (readings - len(prefills))
+    runs, prefills = measure(steps + 1)  # the untimed step ends it: a fresh prefill, then the timed run
+    assert len(prefills) == readings and [n for _, n in runs] == [steps] + [1, steps] * (readings - 1)
 
 
 class State(NamedTuple):

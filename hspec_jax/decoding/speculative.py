@@ -600,7 +600,8 @@ def measure_costs(
 
     The choices are timed in one running generation: before each reading the table pinned to the choice is put in
     the loop's state and one untimed step goes from the last reading's width to this one, so the readings of a round
-    are milliseconds apart; a fresh prefill (untimed) starts again only when the generation has ended."""
+    are milliseconds apart; a fresh prefill (untimed) starts again only when the generation has ended (before the
+    reading, or with that untimed step)."""
     steps = min(cost_model.MEASURED_STEPS, policy.probe_every - 1) or 1
     live: dict[str, tuple] = {}
     warm = set()
@@ -608,11 +609,13 @@ def measure_costs(
     def start(index: int) -> tuple:
         pinned = pinned_costs(policy, index)
         carry = live.get("carry")
-        if carry is None or bool(carry[0].done.all()):
-            return prefill(pinned)
-        state = carry[0]
-        estimates = state.policy._replace(costs=pinned, idle=jnp.zeros_like(state.policy.idle))
-        return chunk((state._replace(policy=estimates), *carry[1:]), 1)
+        if carry is not None and not bool(carry[0].done.all()):
+            state = carry[0]
+            estimates = state.policy._replace(costs=pinned, idle=jnp.zeros_like(state.policy.idle))
+            carry = chunk((state._replace(policy=estimates), *carry[1:]), 1)
+            if not bool(carry[0].done.all()):
+                return carry
+        return prefill(pinned)
 
     def run(carry: tuple) -> tuple:
         live["carry"] = chunk(carry, steps)
