@@ -1,6 +1,7 @@
 """The adaptive draft length (`decoding/policy.py`): the policy's arithmetic, lossless outputs whatever it chooses,
 a fall-back to plain steps for a useless drafter, and drafter state kept exact across plain steps."""
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -61,7 +62,7 @@ CPU_LIKE = jnp.array([1.0, 1.3, 1.45, 1.7, 2.2])  # T(k) / T(0) for k = 0, 1, 2,
 FREE = jnp.array([1.0, 1.0, 1.0, 1.0, 1.0])  # an accelerator at small batch: drafting costs nothing
 # The engine compiles one verification per choice; the engine tests below give it three (a plain step, a short and
 # the full draft), which take every path of the loop at two thirds of the compilation of the default five.
-ENGINE = AdaptivePolicy(choices=(0, 2, 7))
+ENGINE = AdaptivePolicy(choices=(0, 2, 7), narrow=True)  # drafting each block as far as decision 1 chose, as on CPU
 ENGINE_ROWS = jnp.array([POLICY.choices.index(c) for c in ENGINE.choices])  # the same costs for those choices
 ENGINE_CPU_LIKE, ENGINE_FREE = CPU_LIKE[ENGINE_ROWS], FREE[ENGINE_ROWS]
 
@@ -279,13 +280,13 @@ def test_a_block_is_drafted_as_wide_as_the_history_wants_and_wider_after_every_d
     assert widened(POLICY, jnp.int32(0), jnp.int32(0), jnp.array([0, 0])).tolist() == [0, 0]  # a plain step
 
 
-def generate_auto(target, params, config, vocab, prompts, costs, **kw):
+def generate_auto(target, params, config, vocab, prompts, costs, policy=ENGINE, **kw):
     tokens, lengths = pad_batch(prompts)
     return speculative_generate(
         Bundle(target, TARGET, params, config, vocab),
         jnp.asarray(tokens),
         jnp.asarray(lengths),
-        policy=ENGINE,
+        policy=policy,
         costs=costs,
         **kw,
     )
@@ -318,13 +319,16 @@ def test_auto_is_lossless_and_a_random_drafter_decodes_plainly(kind, target_para
     assert second < first or second == first <= len(prompts), (second, first)
 
 
-@pytest.mark.parametrize("kind", ["hspec", "dspark"])
-def test_auto_drafts_far_with_a_good_drafter(kind, target_params, prompts):
+@pytest.mark.parametrize("kind,narrow", [("hspec", True), ("dspark", True), ("hspec", False)])
+def test_auto_drafts_far_with_a_good_drafter(kind, narrow, target_params, prompts):
+    """Whether each block is drafted as far as decision 1 chose (then one choice wider after a block accepted whole)
+    or to the drafter's k (then verified as far as its predictions say it pays)."""
     target = bigram_target(target_params, 0.01)
     config, params, vocab = oracle_drafter(kind, target)
     tokens, lengths = pad_batch(prompts)
     ar = generate(target, TARGET, jnp.asarray(tokens), jnp.asarray(lengths), max_new_tokens=40)
-    spec = generate_auto(target, params, config, vocab, prompts, ENGINE_CPU_LIKE, max_new_tokens=40)
+    policy = dataclasses.replace(ENGINE, narrow=narrow)
+    spec = generate_auto(target, params, config, vocab, prompts, ENGINE_CPU_LIKE, max_new_tokens=40, policy=policy)
     np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
     assert spec.stats.tau() > 3.0
     assert int(np.asarray(spec.stats.chosen)[:, -1].sum()) > 0  # k = 7 chosen
@@ -379,18 +383,28 @@ def test_h_spec_drafts_no_first_block_when_the_prior_wants_none(target_params, p
 
 @pytest.mark.parametrize("kind", ["hspec", "dflash"])
 def test_a_block_is_drafted_only_as_far_as_it_may_be_verified(kind, target_params, prompts):
-    """Under the CPU-like costs the prior's estimates choose k = 2 of (0, 2, 7): the first block is the drafter's
-    block cut to 2 drafts (for the bidirectional DFlash, unlike the first 2 slots of a block of 7), its other slots
-    empty, and at most k = 2 is verified."""
+    """Under the CPU-like costs the prior's estimates choose k = 2 of (0, 2, 7): a `narrow` policy's first block is
+    the drafter's block cut to 2 drafts (for the bidirectional DFlash, unlike the first 2 slots of a block of 7),
+    its other slots empty, and at most k = 2 is verified; otherwise all 7 are drafted."""
     config, params, vocab = random_drafter(kind, target_params, np.concatenate(prompts))
-    state = prefill_at_width_48(Bundle(target_params, TARGET, params, config, vocab), max_new_tokens=32, policy=ENGINE)
-    state = state(prompts[1])[0]
+    bundle = Bundle(target_params, TARGET, params, config, vocab)
+    state = prefill_at_width_48(bundle, max_new_tokens=32, policy=ENGINE)(prompts[1])[0]
     assert bool(state.policy.drafted[0]) and int(state.choice) <= 1
     assert not np.asarray(state.draft)[:, 2:].any() and not np.asarray(state.confidence)[:, 2:].any()
     narrow = Bundle(target_params, TARGET, params, config.with_drafts(2), vocab)
     fixed = prefill_at_width_48(narrow, max_new_tokens=32)(prompts[1])[0]  # a fixed k = 2, no policy
     np.testing.assert_array_equal(np.asarray(state.draft)[:, :2], np.asarray(fixed.draft))
     np.testing.assert_allclose(np.asarray(state.confidence)[:, :2], np.asarray(fixed.confidence), rtol=1e-5)
+    wide = prefill_at_width_48(bundle, max_new_tokens=32, policy=dataclasses.replace(ENGINE, narrow=False))
+    assert np.asarray(wide(prompts[1])[0].confidence).all()
+
+
+def test_blocks_are_drafted_narrow_by_default_on_cpu_only():
+    assert AdaptivePolicy.for_drafts(7, "cpu").narrow and AdaptivePolicy.for_drafts(7, "cpu").draft_widths == (1, 2)
+    for platform in ("gpu", "tpu"):
+        policy = AdaptivePolicy.for_drafts(7, platform)
+        assert not policy.narrow and policy.draft_widths == (len(policy.choices) - 1,)
+        assert int(policy.drafted(jnp.int32(1))) == len(policy.choices) - 1 and int(policy.drafted(jnp.int32(0))) == 0
 
 
 def assert_same_drafter_rows(context, fresh_context, committed):

@@ -235,21 +235,20 @@ def draft_narrow(bundle: Bundle, sampling, inputs: DraftInputs, rng, drafts: int
     return pad(tokens), pad(probs), pad(confidence), context
 
 
-def _draft_at_width(bundle: Bundle, sampling, choices: tuple[int, ...], width: jax.Array, kept: tuple) -> tuple:
-    """The block drafted at `choices[width]` slots (`draft_narrow`), only that width's drafter running (each in its
-    own `_when`, so the drafter-side cache is updated in place); `kept` = (tokens, probs, confidence, context,
-    (inputs, rng)) when `width` is 0. Returns the same five. The operands go through `_when`'s loop (its barrier):
-    were they loop invariants of the decoding loop, XLA would hoist the whole drafter out of it and run it on every
-    step, drafting or not."""
+def _draft_at_width(bundle: Bundle, sampling, policy: AdaptivePolicy, width: jax.Array, kept: tuple) -> tuple:
+    """The block drafted at `policy.choices[width]` slots (`draft_narrow`; `width` one of `policy.draft_widths`),
+    only that width's drafter running (each in its own `_when`, so the drafter-side cache is updated in place);
+    `kept` = (tokens, probs, confidence, context, (inputs, rng)) when `width` is 0. Returns the same five. The
+    operands go through `_when`'s loop (its barrier): were they loop invariants of the decoding loop, XLA would
+    hoist the whole drafter out of it and run it on every step, drafting or not."""
     out = kept
-    for i, drafts in enumerate(choices):
-        if drafts:
+    for i in policy.draft_widths:
 
-            def drafted(carry, drafts=drafts):
-                (inputs, rng), context = carry[4], carry[3]
-                return (*draft_narrow(bundle, sampling, inputs.replace(drafter_cache=context), rng, drafts), carry[4])
+        def drafted(carry, drafts=policy.choices[i]):
+            (inputs, rng), context = carry[4], carry[3]
+            return (*draft_narrow(bundle, sampling, inputs.replace(drafter_cache=context), rng, drafts), carry[4])
 
-            out = _when(width == i, drafted, out)
+        out = _when(width == i, drafted, out)
     return out
 
 
@@ -372,10 +371,11 @@ def spec_prefill_unjitted(
         width = draft_width(estimates, policy, ~done)
         if drafter.owns_kv_cache:
             width = jnp.maximum(width, 1)
+        width = policy.drafted(width)
         drafting = width > 0
         blank = jax.tree.map(jnp.zeros_like, jax.eval_shape(first_block, operands)[:3])
         kept = (*blank, context, operands)
-        draft, probs, confidence, context, _ = _draft_at_width(bundle, sampling, choices, width, kept)
+        draft, probs, confidence, context, _ = _draft_at_width(bundle, sampling, policy, width, kept)
         choice = jnp.where(drafting, step_choice(estimates, policy, confidence, ~done, width), 0)
         estimates = estimates._replace(drafted=jnp.broadcast_to(drafting, (batch,)))
     pending = _no_pending(inputs.seed_hidden, cache.lengths) if policy is not None and drafter.owns_kv_cache else None
@@ -494,11 +494,11 @@ def spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sam
         else:
             matched = s.draft[:, 0] == s.anchor  # a declined block's first draft against the plain step's token
             estimates = remember(observe(s.policy, policy, s.confidence, drafts, n, active, matched), active & s.done)
-            width = draft_width(estimates, policy, ~s.done, widened(policy, s.choice, drafts, n))
+            width = policy.drafted(draft_width(estimates, policy, ~s.done, widened(policy, s.choice, drafts, n)))
             drafting = width > 0
             kept = (s.draft, s.draft_probs, jnp.zeros_like(s.confidence), context, operands)
             draft_tokens, probs, confidence, context, (inputs, _) = _draft_at_width(
-                bundle, sampling, choices, width, kept
+                bundle, sampling, policy, width, kept
             )
             cache = inputs.target_cache
             if pending is not None:
