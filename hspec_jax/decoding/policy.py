@@ -88,8 +88,8 @@ import jax.numpy as jnp
 SHORT_DRAFTS = {"cpu": (3,), "default": (1, 2, 4)}
 # Whether `AdaptivePolicy.for_drafts` drafts each block only as far as decision 1 chose (`AdaptivePolicy.narrow`),
 # per platform. On CPU a block's drafting grows with its slots (the cut SmolLM2 drafter: 4.6 ms for 3 slots, 6.7 ms
-# for 7), and drafting 3 instead of 7 for a verification of 3 made that step 1.32-1.35 plain steps instead of
-# 1.39-1.41 (benchmarks/results/draft_width.md). Accelerators draft the whole block: there its slots cost about the
+# for 7), and drafting 3 instead of 7 for a verification of 3 made that step 1.30-1.40 plain steps instead of
+# 1.36-1.43 (benchmarks/results/draft_width.md). Accelerators draft the whole block: there its slots cost about the
 # same, one drafter program compiles instead of one per width, and decision 2 may verify further than decision 1
 # wanted when the drafter's predictions say so.
 NARROW_DRAFTS = {"cpu": True, "default": False}
