@@ -4,8 +4,8 @@
         [--out benchmarks/results/draft_width.md]
 
 One process loads the embedded SmolLM2 target and the drafter and compiles the `--k auto` engine with the CPU
-choices (0, 3, k) twice: drafting each block only as far as the step verifies (`AdaptivePolicy.narrow`, the CPU
-default) and drafting all k slots whatever the step verifies (the accelerators' default). Each variant's cost table
+choices (0, 3, k) twice: drafting each block only as far as the step verifies (`AdaptivePolicy.narrow`) and
+drafting all k slots whatever the step verifies (the default). Each variant's cost table
 is pinned to one choice (`policy.pinned_costs`): plain steps, drafts of 3, drafts of k. Every round times 8 steps of
 each variant (after a fresh prefill of one 40-token prompt and 2 untimed steps; the order reversed every other
 round) in one generation of at most 400 tokens with EOS ignored; the medians over rounds give ms per step and each

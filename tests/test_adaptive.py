@@ -62,7 +62,8 @@ CPU_LIKE = jnp.array([1.0, 1.3, 1.45, 1.7, 2.2])  # T(k) / T(0) for k = 0, 1, 2,
 FREE = jnp.array([1.0, 1.0, 1.0, 1.0, 1.0])  # an accelerator at small batch: drafting costs nothing
 # The engine compiles one verification per choice; the engine tests below give it three (a plain step, a short and
 # the full draft), which take every path of the loop at two thirds of the compilation of the default five.
-ENGINE = AdaptivePolicy(choices=(0, 2, 7), narrow=True)  # drafting each block as far as decision 1 chose, as on CPU
+ENGINE = AdaptivePolicy(choices=(0, 2, 7))
+NARROW = dataclasses.replace(ENGINE, narrow=True)  # drafting each block only as far as decision 1 chose
 ENGINE_ROWS = jnp.array([POLICY.choices.index(c) for c in ENGINE.choices])  # the same costs for those choices
 ENGINE_CPU_LIKE, ENGINE_FREE = CPU_LIKE[ENGINE_ROWS], FREE[ENGINE_ROWS]
 
@@ -293,14 +294,15 @@ def generate_auto(target, params, config, vocab, prompts, costs, policy=ENGINE, 
 
 
 # The policy's code paths differ by whether the drafter keeps its own cache (DFlash: plain steps inject their rows)
-# and has a Markov + confidence head (DSpark); the other kinds are variants of these three inside their families,
-# and every kind is checked lossless at a fixed k in tests/test_speculative.py.
-@pytest.mark.parametrize("kind", ["hspec", "dflash", "dspark"])
-def test_auto_is_lossless_and_a_random_drafter_decodes_plainly(kind, target_params, prompts):
+# and has a Markov + confidence head (DSpark), and by whether blocks are drafted narrow (DFlash's injection with a cut
+# block); the other kinds are variants of these three inside their families, and every kind is checked lossless at a
+# fixed k in tests/test_speculative.py.
+@pytest.mark.parametrize("kind,policy", [("hspec", ENGINE), ("dflash", ENGINE), ("dspark", ENGINE), ("dflash", NARROW)])
+def test_auto_is_lossless_and_a_random_drafter_decodes_plainly(kind, policy, target_params, prompts):
     tokens, lengths = pad_batch(prompts)
     config, params, vocab = random_drafter(kind, target_params, np.concatenate(prompts))
     ar = generate(target_params, TARGET, jnp.asarray(tokens), jnp.asarray(lengths), max_new_tokens=60, eos_ids=(EOS,))
-    kw = dict(max_new_tokens=60, eos_ids=(EOS,))
+    kw = dict(max_new_tokens=60, eos_ids=(EOS,), policy=policy)
     for costs in (ENGINE_FREE, ENGINE_CPU_LIKE):
         spec = generate_auto(target_params, params, config, vocab, prompts, costs, **kw)
         np.testing.assert_array_equal(np.asarray(spec.num_tokens), np.asarray(ar.num_tokens))
@@ -319,7 +321,7 @@ def test_auto_is_lossless_and_a_random_drafter_decodes_plainly(kind, target_para
     assert second < first or second == first <= len(prompts), (second, first)
 
 
-@pytest.mark.parametrize("kind,narrow", [("hspec", True), ("dspark", True), ("hspec", False)])
+@pytest.mark.parametrize("kind,narrow", [("hspec", False), ("dspark", False), ("hspec", True)])
 def test_auto_drafts_far_with_a_good_drafter(kind, narrow, target_params, prompts):
     """Whether each block is drafted as far as decision 1 chose (then one choice wider after a block accepted whole)
     or to the drafter's k (then verified as far as its predictions say it pays)."""
@@ -388,23 +390,24 @@ def test_a_block_is_drafted_only_as_far_as_it_may_be_verified(kind, target_param
     its other slots empty, and at most k = 2 is verified; otherwise all 7 are drafted."""
     config, params, vocab = random_drafter(kind, target_params, np.concatenate(prompts))
     bundle = Bundle(target_params, TARGET, params, config, vocab)
-    state = prefill_at_width_48(bundle, max_new_tokens=32, policy=ENGINE)(prompts[1])[0]
+    state = prefill_at_width_48(bundle, max_new_tokens=32, policy=NARROW)(prompts[1])[0]
     assert bool(state.policy.drafted[0]) and int(state.choice) <= 1
     assert not np.asarray(state.draft)[:, 2:].any() and not np.asarray(state.confidence)[:, 2:].any()
     narrow = Bundle(target_params, TARGET, params, config.with_drafts(2), vocab)
     fixed = prefill_at_width_48(narrow, max_new_tokens=32)(prompts[1])[0]  # a fixed k = 2, no policy
     np.testing.assert_array_equal(np.asarray(state.draft)[:, :2], np.asarray(fixed.draft))
     np.testing.assert_allclose(np.asarray(state.confidence)[:, :2], np.asarray(fixed.confidence), rtol=1e-5)
-    wide = prefill_at_width_48(bundle, max_new_tokens=32, policy=dataclasses.replace(ENGINE, narrow=False))
+    wide = prefill_at_width_48(bundle, max_new_tokens=32, policy=ENGINE)
     assert np.asarray(wide(prompts[1])[0].confidence).all()
 
 
-def test_blocks_are_drafted_narrow_by_default_on_cpu_only():
-    assert AdaptivePolicy.for_drafts(7, "cpu").narrow and AdaptivePolicy.for_drafts(7, "cpu").draft_widths == (1, 2)
-    for platform in ("gpu", "tpu"):
+def test_blocks_are_drafted_whole_unless_the_policy_is_narrow():
+    for platform in ("cpu", "gpu", "tpu"):
         policy = AdaptivePolicy.for_drafts(7, platform)
         assert not policy.narrow and policy.draft_widths == (len(policy.choices) - 1,)
         assert int(policy.drafted(jnp.int32(1))) == len(policy.choices) - 1 and int(policy.drafted(jnp.int32(0))) == 0
+    narrow = AdaptivePolicy.for_drafts(7, "cpu", narrow=True)
+    assert narrow.choices == (0, 3, 7) and narrow.draft_widths == (1, 2) and int(narrow.drafted(jnp.int32(1))) == 1
 
 
 def assert_same_drafter_rows(context, fresh_context, committed):

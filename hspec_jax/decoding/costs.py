@@ -43,7 +43,8 @@ def machine() -> str:
 
 
 # How a table is measured and what the steps it times do (part of its cache key: tables of an earlier method are
-# measured again). 4: a drafting step drafts only the slots it may verify (policy.draft_width).
+# measured again). 4: no reading times a generation that its untimed width-changing step ended
+# (speculative.measure_costs).
 METHOD = 4
 
 

@@ -26,9 +26,9 @@ Two decisions per step, both per sequence:
 1. *whether and how far to draft* the next block (before the drafter runs): with the history estimate
    a_i = A_i / R_i, the k of the best yield / cost. If it is 0, the next step is a plain one and the drafter is not
    called. A sequence that took `probe_every` plain steps in a row drafts anyway (a probe, with at least the
-   smallest k > 0), so its estimates can recover when the text turns predictable again. A `narrow` policy (the
-   CPU default) drafts only the slots of the widest k an active sequence chose (`draft_width`), one choice wider
-   for a sequence whose last verification accepted every draft (`widened`); otherwise the drafter drafts its k.
+   smallest k > 0), so its estimates can recover when the text turns predictable again. A `narrow` policy drafts
+   only the slots of the widest k an active sequence chose (`draft_width`), one choice wider for a sequence whose
+   last verification accepted every draft (`widened`); otherwise (the default) the drafter drafts its k.
 2. *how far to verify* (after drafting): with the calibrated prediction a_i = min(1, c_i * A / P), the k
    of the best yield / cost among the choices up to the drafted width (a probe at least the smallest k > 0);
    0 declines the block.
@@ -86,13 +86,6 @@ import jax.numpy as jnp
 # (benchmarks/results/draft_choices.md). Accelerators keep the short drafts: a verification's cost grows with its
 # rows there only at large batches, where they can pay.
 SHORT_DRAFTS = {"cpu": (3,), "default": (1, 2, 4)}
-# Whether `AdaptivePolicy.for_drafts` drafts each block only as far as decision 1 chose (`AdaptivePolicy.narrow`),
-# per platform. On CPU a block's drafting grows with its slots (the cut SmolLM2 drafter: 4.6 ms for 3 slots, 6.7 ms
-# for 7), and drafting 3 instead of 7 for a verification of 3 made that step 1.30-1.40 plain steps instead of
-# 1.36-1.43 (benchmarks/results/draft_width.md). Accelerators draft the whole block: there its slots cost about the
-# same, one drafter program compiles instead of one per width, and decision 2 may verify further than decision 1
-# wanted when the drafter's predictions say so.
-NARROW_DRAFTS = {"cpu": True, "default": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +99,12 @@ class AdaptivePolicy:
     `eval.main` drafted 113 steps and accepted 77 drafts against 59 and 21, and an untrained drafter stops drafting
     within a dozen steps of its first sequence instead of six). decay: the weight of older observations (per
     verification of that slot). probe_every: plain steps in a row after which a sequence drafts again; probe_max:
-    the longest such wait after failed probes. narrow: draft each block only as far as decision 1 chose, and verify
-    at most that far (else the drafter's k, verified as far as decision 2 chooses)."""
+    the longest such wait after failed probes. narrow: draft each block only as far as decision 1 chose and verify
+    at most that far, instead of drafting the drafter's k and verifying as far as decision 2 chooses. On CPU a block
+    of 3 drafted as 3 slots instead of 7 made that step 1.30-1.40 plain steps instead of 1.36-1.43, but the loop then
+    holds one drafter program per width: from an empty compilation cache `eval.generate` compiled 4.7 s longer
+    (13.1 s instead of 8.3 s), and each drafting step saves about 1 ms, so only a long-running process (a server)
+    gains; off by default (benchmarks/results/draft_width.md)."""
 
     choices: tuple[int, ...] = (0, 1, 2, 4, 7)
     prior: float = 0.5
@@ -131,10 +128,8 @@ class AdaptivePolicy:
     @classmethod
     def for_drafts(cls, k: int, platform: str | None = None, **settings) -> AdaptivePolicy:
         """The default choices for a drafter of k drafts on `platform` (default: JAX's default backend):
-        `SHORT_DRAFTS` of that platform below k, then k, after 0; drafting `narrow` as `NARROW_DRAFTS` says there."""
-        platform = platform or jax.default_backend()
-        short = SHORT_DRAFTS.get(platform, SHORT_DRAFTS["default"])
-        settings = {"narrow": NARROW_DRAFTS.get(platform, NARROW_DRAFTS["default"]), **settings}
+        `SHORT_DRAFTS` of that platform below k, then k, after 0."""
+        short = SHORT_DRAFTS.get(platform or jax.default_backend(), SHORT_DRAFTS["default"])
         return cls(choices=tuple(sorted({c for c in short if c < k} | {0, k})), **settings)
 
     @property
