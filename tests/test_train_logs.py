@@ -4,12 +4,13 @@ back, checksums included."""
 
 import os
 import struct
+import types
 
 import pytest
 from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.record_writer import masked_crc32c
 
-from train.loop import MetricsLog, scalar_tag
+from train.loop import MetricsLog, logged_and_evaluated, scalar_tag
 
 
 def read_events(path):
@@ -54,3 +55,16 @@ def test_event_files_read_back_with_each_step_s_scalars(tmp_path):
         {"eval/tau": 1.5, "eval/heldout_acc_1": 0.25},
         {"train/loss": 2.0, "train/acc_1": 0.125, "train/tokens_per_s": pytest.approx(1e5)},
     ]
+
+
+def test_every_evaluation_step_is_evaluated_and_logged_whatever_log_every_is():
+    """`eval_every` = 125 with `log_every` = 10 evaluates at 125, 250, 375 and 500 (an evaluation step not on the
+    logging grid used to be skipped: such a run evaluated at 250 and 500 only)."""
+    train = types.SimpleNamespace(num_steps=500, log_every=10, eval_every=125)
+    outputs = {step: logged_and_evaluated(step, train) for step in range(1, 501)}
+    assert [step for step, (_, evaluating) in outputs.items() if evaluating] == [125, 250, 375, 500]
+    logged = [step for step, (logging, _) in outputs.items() if logging]
+    assert logged == sorted({*range(10, 501, 10), 125, 375})
+    train.eval_every = 0
+    assert [step for step in range(1, 501) if logged_and_evaluated(step, train)[1]] == []
+    assert logged_and_evaluated(7, types.SimpleNamespace(num_steps=7, log_every=10, eval_every=0)) == (True, False)

@@ -533,6 +533,15 @@ def restore_latest(workdir: str, manager: ocp.CheckpointManager, run: Run, state
     return manager, state, 0
 
 
+def logged_and_evaluated(step: int, train) -> tuple[bool, bool]:
+    """(whether `step` writes a metrics record, whether it evaluates on the held-out set) for the recipe's `train`
+    section: records every `log_every` steps, evaluations every `eval_every` (0: none), both at the last step; an
+    evaluation step always writes its record, whether or not `log_every` divides it."""
+    last = step == train.num_steps
+    evaluating = bool(train.eval_every) and (step % train.eval_every == 0 or last)
+    return evaluating or last or step % train.log_every == 0, evaluating
+
+
 def save_step(manager: ocp.CheckpointManager, run: Run, state: TrainState, step: int, metrics: dict) -> None:
     """Checkpoint `step` (the training state and the data iterator's position; complete when this returns) and
     export the drafter as of that step."""
@@ -629,12 +638,13 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
             state, metrics = step_fn(state, run.target_params, run.vocab, global_batch(run.mesh, local))
             done = step
             tokens_done += int(np.sum(np.asarray(local["doc_ids"]) >= 0)) * jax.process_count()
-            if step % tc.log_every == 0 or step == tc.num_steps:
+            logging, evaluating = logged_and_evaluated(step, tc)
+            if logging:
                 last = scalars(metrics)
                 elapsed = time.perf_counter() - clock
                 last["tokens_per_s"] = tokens_done / elapsed
                 tokens_done, clock = 0, time.perf_counter()
-                if tc.eval_every and (step % tc.eval_every == 0 or step == tc.num_steps):
+                if evaluating:
                     last.update(evaluation(run, evaluate, state.params, weights))
                     clock = time.perf_counter()  # evaluation is not training time
                 metrics_log.write(step, last)
