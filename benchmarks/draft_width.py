@@ -48,7 +48,7 @@ def main(argv=None) -> None:
     target, target_params = load_target("smollm2")
     drafter, drafter_params, vocab = restore_drafter(args.drafter, target, target_params)
     bundle = Placement(None, target).bundle(Bundle(target_params, target, drafter_params, drafter, vocab))
-    narrow = AdaptivePolicy.for_drafts(drafter.num_drafts, "cpu")
+    narrow = AdaptivePolicy.for_drafts(drafter.num_drafts, "cpu", narrow=True)
     whole = dataclasses.replace(narrow, narrow=False)
     prompt = np.random.default_rng(0).integers(100, target.vocab_size, PROMPT_TOKENS).tolist()
     tokens, lengths = (jnp.asarray(a) for a in pad_batch([prompt], length=64))
