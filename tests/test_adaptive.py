@@ -272,13 +272,17 @@ def test_a_block_is_drafted_as_wide_as_the_history_wants_and_wider_after_every_d
     assert int(step_choice(state, POLICY, confident, active)) == 4  # a block of 7 so confident would verify all 7
     assert int(step_choice(state, POLICY, confident, active, width)) == width  # a block of 2 verifies at most 2
     assert int(step_choice(state, POLICY, jnp.full((2, 7), 0.05), active, width)) == 0  # or declines it
-    # After a step that verified k = 2: the sequence that accepted both drafts gets its next block one choice wider.
-    least = widened(POLICY, jnp.int32(width), jnp.int32(2), jnp.array([2, 1]))
+    # After a step that verified k = 2, a narrow policy drafts the next block of the sequence that accepted both one
+    # choice wider.
+    narrow = dataclasses.replace(POLICY, narrow=True)
+    least = widened(narrow, jnp.int32(width), jnp.int32(2), jnp.array([2, 1]))
     assert least.tolist() == [width + 1, 0]
     assert int(draft_width(state, POLICY, active, least)) == width + 1
     assert int(draft_width(state, POLICY, active.at[0].set(False), least)) == width
-    assert widened(POLICY, jnp.int32(4), jnp.int32(7), jnp.array([7, 7])).tolist() == [4, 4]  # none wider than k
-    assert widened(POLICY, jnp.int32(0), jnp.int32(0), jnp.array([0, 0])).tolist() == [0, 0]  # a plain step
+    assert widened(narrow, jnp.int32(4), jnp.int32(7), jnp.array([7, 7])).tolist() == [4, 4]  # none wider than k
+    assert widened(narrow, jnp.int32(0), jnp.int32(0), jnp.array([0, 0])).tolist() == [0, 0]  # a plain step
+    # A policy drafting whole blocks (the default) is not widened: a full acceptance does not make it draft.
+    assert widened(POLICY, jnp.int32(width), jnp.int32(2), jnp.array([2, 1])).tolist() == [0, 0]
 
 
 def generate_auto(target, params, config, vocab, prompts, costs, policy=ENGINE, **kw):

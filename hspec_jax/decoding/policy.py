@@ -259,10 +259,13 @@ def draft_width(
 
 def widened(policy: AdaptivePolicy, choice: jax.Array, drafts: jax.Array, n: jax.Array) -> jax.Array:
     """`[B]` the least width (`draft_width`'s `least`) after a step that verified `choices[choice]` = `drafts`
-    (scalars) and accepted `n [B]`: one choice wider for a sequence that accepted every draft, else 0. The history
-    knows nothing of the slots past the widths verified, so without this a drafter whose blocks are always fully
-    accepted would stay at the width its first estimates chose: a wider block is drafted, and decision 2 verifies
-    it as far as the drafter's predictions say it pays."""
+    (scalars) and accepted `n [B]`: for a `narrow` policy, one choice wider for a sequence that accepted every
+    draft, else 0. The history knows nothing of the slots past the widths verified, so without this a drafter whose
+    blocks are always fully accepted would stay at the width its first estimates chose: a wider block is drafted, and
+    decision 2 verifies it as far as the drafter's predictions say it pays. Always 0 for a policy that drafts whole
+    blocks: there decision 1 only says whether to draft, by the history alone."""
+    if not policy.narrow:
+        return jnp.zeros_like(n, jnp.int32)
     full = (drafts > 0) & (n == drafts)
     return jnp.where(full, jnp.minimum(choice + 1, len(policy.choices) - 1), 0).astype(jnp.int32)
 
