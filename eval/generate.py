@@ -16,9 +16,10 @@ functions are compiled ahead of time, so no compilation is on the clock; the tim
 `--repeats` warm runs after the printed one (or the printed run itself with `--repeats 0`). With a drafter
 a last line gives `spec: tau=<mean tokens per step> steps=<n> accept_by_position=<rates>`, the conditional
 acceptance rate of each draft index given all earlier drafts were accepted (`-`: never reached), and with
-`--k auto` (the default with a drafter) `chosen k=<k>:<share of steps>,...`, the draft length chosen per step by
-the adaptive policy (`hspec_jax/decoding/policy.py`; k = 0 is a plain step), from the drafter's confidence, the
-acceptance so far and the step costs measured on this machine at first use (cached under
+`--k auto` (the default with a drafter) `drafted=<n>`, the blocks the drafter drafted (a block the policy then
+declined to verify costs the drafter's time and yields nothing), `chosen k=<k>:<share of steps>,...`, the draft
+length chosen per step by the adaptive policy (`hspec_jax/decoding/policy.py`; k = 0 is a plain step), from the
+drafter's confidence, the acceptance so far and the step costs measured on this machine at first use (cached under
 `~/.cache/hspec_jax/costs/`), and `step costs T(k)/T(0) k=<k>:<cost>,...`, that table. `--k N` drafts N tokens
 every step.
 
@@ -423,7 +424,9 @@ def main(argv: list[str] | None = None) -> int:
                     measured = ",".join(
                         f"{c}:{x:.2f}" for c, x in zip(policy.choices, engines["spec"].costs, strict=True)
                     )
-                    chosen = f" chosen {format_chosen(policy.choices, stats)} step costs T(k)/T(0) k={measured}"
+                    drafted = int(np.sum(stats.drafted))
+                    chosen = f" drafted={drafted} chosen {format_chosen(policy.choices, stats)}"
+                    chosen += f" step costs T(k)/T(0) k={measured}"
                 print(
                     f"spec: tau={stats.tau():.2f} steps={int(np.sum(stats.steps))} accept_by_position="
                     f"{format_rates(stats.acceptance_by_position())}{chosen}"

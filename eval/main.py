@@ -324,6 +324,7 @@ class Evaluation:
                 row["accepted_at"] = np.asarray(stats.accepted_at[b]).tolist()
                 row["predicted_at"] = np.asarray(stats.predicted_at[b]).round(4).tolist()
                 row["k_steps"] = steps_by_draft_length(method, np.asarray(stats.chosen[b]))
+                row["drafted"] = int(stats.drafted[b])
             rows.append(row)
         return outputs, rows, (run, tokens, lengths, seed)
 

@@ -8,8 +8,8 @@ the prompt itself at batch size 1), `call` (one timed generation; a batch shares
 plus the median decode time), `call_steps` (decode-loop iterations:
 target forwards after the prefill), `tokens` (new tokens of this row), and for speculative methods `steps`,
 `accepted`, `reached_at`/`accepted_at`/`predicted_at` (per draft index; predicted: the sum of the drafter's
-predicted acceptance when reached), `k_steps` (steps per number of drafts verified, 0 = plain steps) and `identical`
-(same tokens as plain decoding).
+predicted acceptance when reached), `k_steps` (steps per number of drafts verified, 0 = plain steps), `drafted`
+(blocks the drafter drafted, verified or declined) and `identical` (same tokens as plain decoding).
 
 Definitions (pooled over the rows of a task, or of all tasks):
   tau                = (accepted + steps) / steps, the mean tokens emitted per draft-and-verify step
@@ -65,6 +65,7 @@ class Totals:
     accepted_at: np.ndarray = field(default_factory=lambda: np.zeros(0))
     predicted_at: np.ndarray = field(default_factory=lambda: np.zeros(0))
     k_steps: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    drafted: int | None = None  # None: rows written before `drafted` was recorded
     identical: int = 0
     compared: int = 0
 
@@ -126,6 +127,8 @@ def totals(rows: list[dict]) -> Totals:
             if "predicted_at" in r:
                 t.predicted_at = _add(t.predicted_at, r["predicted_at"])
                 t.k_steps = _add(t.k_steps, r["k_steps"])
+            if "drafted" in r:
+                t.drafted = (t.drafted or 0) + r["drafted"]
         if r.get("identical") is not None:
             t.compared += 1
             t.identical += bool(r["identical"])
@@ -323,10 +326,13 @@ def draft_length_lines(methods: list[dict], tasks: list[str], by: dict, overall:
     k_max = max(m["k_max"] for m in adaptive)
     lines = [
         "",
-        "## Draft length chosen per step (k=auto; k = 0 is a plain step, the drafter not called)",
+        "## Draft length chosen per step (k=auto; k = 0 is a plain step)",
         "",
-        "| method | task | mean k | " + " | ".join(f"k={k}" for k in range(k_max + 1)) + " |",
-        "|---|---|---|" + "---|" * (k_max + 1),
+        "drafted: the blocks the drafter drafted; declined: those the policy then did not verify (each cost the",
+        "drafter's time and yielded nothing).",
+        "",
+        "| method | task | mean k | " + " | ".join(f"k={k}" for k in range(k_max + 1)) + " | drafted | declined |",
+        "|---|---|---|" + "---|" * (k_max + 3),
     ]
     for m in adaptive:
         for task in ["all", *tasks]:
@@ -334,7 +340,9 @@ def draft_length_lines(methods: list[dict], tasks: list[str], by: dict, overall:
             shares = t.k_shares()
             mean = float(np.dot(shares, np.arange(len(shares)))) if len(shares) else float("nan")
             cells = [fmt(x) for x in shares] + [""] * (k_max + 1 - len(shares))
-            lines.append(f"| {m['name']} | {task} | {fmt(mean)} | " + " | ".join(cells) + " |")
+            verified = round(float(t.k_steps[1:].sum())) if len(t.k_steps) else 0
+            drafted = ["-", "-"] if t.drafted is None else [str(t.drafted), str(t.drafted - verified)]
+            lines.append(f"| {m['name']} | {task} | {fmt(mean)} | " + " | ".join(cells + drafted) + " |")
     return lines
 
 

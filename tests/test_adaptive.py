@@ -313,6 +313,9 @@ def test_auto_is_lossless_and_a_random_drafter_decodes_plainly(kind, policy, tar
         np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
     chosen = np.asarray(spec.stats.chosen).sum(0)
     assert chosen[0] >= 0.8 * chosen.sum(), chosen  # under CPU-like costs: mostly plain steps
+    # Every verified block was drafted, and no step drafted twice.
+    verified, drafted = np.asarray(spec.stats.chosen)[:, 1:].sum(1), np.asarray(spec.stats.drafted)
+    assert np.all(verified <= drafted) and np.all(drafted <= np.asarray(spec.stats.steps)), (verified, drafted)
     # The next generation starts from what this one learnt: it trusts the drafter less than the first did.
     assert float(spec.prior.acceptance[0]) < ENGINE.prior
     programs = spec_prefill._cache_size()
@@ -384,6 +387,7 @@ def test_h_spec_drafts_no_first_block_when_the_prior_wants_none(target_params, p
     useless = Prior(jnp.zeros(7), jnp.float32(0.0))
     skipped = prefill_at_width_48(bundle, prior=useless, **kw)(prompts[1])[0]
     assert not bool(skipped.policy.drafted[0]) and int(skipped.choice) == 0
+    assert int(trusting.stats.drafted[0]) == 1 and int(skipped.stats.drafted[0]) == 0
     assert not np.asarray(skipped.confidence).any()
 
 

@@ -5,6 +5,7 @@ import gc
 import itertools
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -214,12 +215,17 @@ def test_eval_main_runs_each_drafter_at_each_k(tmp_path, monkeypatch):
         assert r["call_seconds"] - r["call_prefill_seconds"] == pytest.approx(np.median(wall - prefill), abs=1e-5)
         if r["method"] == "random:hspec k=auto":
             assert r["identical"] and len(r["k_steps"]) == 8 and sum(r["k_steps"]) == r["steps"]
+            assert sum(r["k_steps"][1:]) <= r["drafted"] <= r["steps"]
         elif r["method"] != "plain":
             k = int(r["method"][-1])
             assert r["identical"] and len(r["reached_at"]) == k and r["k_steps"][k] == r["steps"]
+            assert r["drafted"] == r["steps"]  # a fixed k drafts every block it verifies
     text = (out / "report.md").read_text()
     assert "| random:hspec k=2 | 2 |" in text and "| random:hspec k=auto | auto |" in text
     assert "## Draft length chosen per step" in text and "| random:hspec k=auto | math |" in text
+    auto = next(r for r in rows if r["method"] == "random:hspec k=auto")
+    declined = auto["drafted"] - sum(auto["k_steps"][1:])
+    assert re.search(rf"\| random:hspec k=auto \| all \|.* \| {auto['drafted']} \| {declined} \|$", text, re.M)
     assert "## Confidence head calibration" in text and (out / "calibration.png").stat().st_size > 0
 
 

@@ -152,6 +152,8 @@ def test_stats_count_acceptance(target_params, prompts):
     )
     # 1 token from prefill, then 4 steps of 8 accepted tokens each.
     np.testing.assert_array_equal(np.asarray(spec.stats.steps), [4, 4, 4])
+    # Blocks drafted: prefill's, then one after each step but the last.
+    np.testing.assert_array_equal(np.asarray(spec.stats.drafted), [4, 4, 4])
     assert spec.stats.tau() == 8.0 and spec.stats.acceptance_by_position() == [1.0] * 7
 
 

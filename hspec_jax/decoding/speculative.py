@@ -78,6 +78,7 @@ class SpecStats(NamedTuple):
     accepted_at: jax.Array  # [B, k] steps in which draft i was accepted
     predicted_at: jax.Array  # [B, k] fp32 sum of the drafter's predicted acceptance of draft i when reached
     chosen: jax.Array  # [B, C] steps that verified each draft length (the policy's choices; fixed k: [k])
+    drafted: jax.Array  # [B] blocks the drafter drafted while the sequence was active, verified or declined
 
     def tau(self) -> float:
         """Mean tokens per step, counting the bonus/correction token (1 <= tau <= k + 1)."""
@@ -161,6 +162,7 @@ def _counted(stats: SpecStats, s, active: jax.Array, n: jax.Array, drafts: jax.A
         stats.accepted_at + on * (slots < n[:, None]),
         stats.predicted_at + reached * s.confidence,
         stats.chosen + on * (jnp.arange(stats.chosen.shape[1]) == s.choice),
+        stats.drafted,
     )
 
 
@@ -354,12 +356,11 @@ def spec_prefill_unjitted(
     zeros = jnp.zeros((batch,), jnp.int32)
     per_slot = jnp.zeros((batch, k), jnp.int32)
     choices = choices_of(drafter, policy)
-    stats = SpecStats(
-        zeros, zeros, per_slot, per_slot, per_slot.astype(jnp.float32), jnp.zeros((batch, len(choices)), jnp.int32)
-    )
+    chosen = jnp.zeros((batch, len(choices)), jnp.int32)
+    stats = SpecStats(zeros, zeros, per_slot, per_slot, per_slot.astype(jnp.float32), chosen, zeros)
     first_block = lambda operands: draft_next(bundle, sampling, *operands)
     operands = (inputs, draft_rng)
-    estimates, choice = None, jnp.int32(0)
+    estimates, choice, drafting = None, jnp.int32(0), jnp.bool_(True)
     if policy is None:
         draft, probs, confidence, context = first_block(operands)
     else:
@@ -378,6 +379,7 @@ def spec_prefill_unjitted(
         draft, probs, confidence, context, _ = _draft_at_width(bundle, sampling, policy, width, kept)
         choice = jnp.where(drafting, step_choice(estimates, policy, confidence, ~done, width), 0)
         estimates = estimates._replace(drafted=jnp.broadcast_to(drafting, (batch,)))
+    stats = stats._replace(drafted=(drafting & ~done).astype(jnp.int32))
     pending = _no_pending(inputs.seed_hidden, cache.lengths) if policy is not None and drafter.owns_kv_cache else None
     state = SpecState(
         jnp.int32(0),
@@ -490,7 +492,7 @@ def spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sam
         operands = (inputs, draft_rng)
         if policy is None:
             draft_tokens, probs, confidence, context = draft(*operands, context)
-            estimates, choice = None, s.choice
+            estimates, choice, drafting = None, s.choice, jnp.bool_(True)
         else:
             matched = s.draft[:, 0] == s.anchor  # a declined block's first draft against the plain step's token
             estimates = remember(observe(s.policy, policy, s.confidence, drafts, n, active, matched), active & s.done)
@@ -508,6 +510,7 @@ def spec_steps(bundle: Bundle, state, cache, context, steps, max_new_tokens, sam
             choice = jnp.where(drafting, step_choice(estimates, policy, confidence, ~s.done, width), 0)
             estimates = estimates._replace(drafted=jnp.broadcast_to(drafting, (batch,)))
         s = s._replace(
+            stats=s.stats._replace(drafted=s.stats.drafted + (drafting & ~s.done)),
             draft=draft_tokens,
             draft_probs=probs,
             confidence=confidence,
