@@ -78,8 +78,9 @@ def main(argv=None) -> None:
         base = drafter_config(spec, target, DEFAULT_RECIPES["smollm2"])
         dparams, vocab = load_drafter(spec, base, params, ids)
         for k in args.k:
-            config = base.with_drafts(k) if isinstance(k, int) else base
-            policy = AdaptivePolicy.for_drafts(config.num_drafts) if k == AUTO else None
+            config, policy = base.with_drafts(k) if isinstance(k, int) else base, None
+            if k == AUTO:
+                config, policy = AdaptivePolicy.auto_drafting(base)
             name = f"{spec} k={k}"
             print(f"compiling {name} ...", flush=True)
             bundle = Bundle(params, target, dparams, config, vocab)

@@ -1,21 +1,26 @@
-"""What a plain step under `--k auto` costs against a plain decoding step, in several fresh processes.
+"""What a plain step under `--k auto` costs against a plain decoding step, and what the policy's drafting adds,
+in several fresh processes.
 
     python -m benchmarks.plain_steps [--processes 6] [--capacity 256 --capacity 2048] [--rounds 7]
-        [--drafter random:hspec] [--out benchmarks/results/plain_steps.md]
+        [--drafter random:hspec] [--prompt "..."] [--out benchmarks/results/plain_steps.md]
 
-Each process loads the embedded SmolLM2 target and compiles plain decoding and a `--k auto` engine whose cost table
-is pinned to plain steps (`policy.pinned_costs`: every step verifies one token, the drafter never runs), then times
-64-token generations (batch 1, greedy, a random prompt of 40 tokens at capacity 256, of 900 from capacity 1024 on)
-of both in `--rounds` rounds, the order reversed every other round, the first round untimed. auto / plain is the
-ratio of the two medians in that process; the spread of that ratio over processes is the noise a single
-comparison carries on this machine (the absolute speed of one and the same program moves between processes too).
-Every auto output is checked against plain decoding's."""
+Each process loads the embedded SmolLM2 target and compiles plain decoding and two `--k auto` engines: one whose
+cost table is pinned to plain steps (`policy.pinned_costs`: every step verifies one token, the drafter never runs),
+one with its own table (measured at first use on this machine, or read from the user cache) that drafts where the
+policy wants. It times 64-token generations (batch 1, greedy; a random prompt of 40 tokens at capacity 256, of 900
+from capacity 1024 on, or `--prompt` in the target's chat template) of the three in `--rounds` rounds, the order
+reversed every other round, the first round untimed. pinned / plain is the ratio of the medians in that process:
+its spread over processes is the noise a single comparison carries on this machine (the absolute speed of one and
+the same program moves between processes too). own / pinned is what the drafting itself costs or gains, with the
+blocks the drafter drafted and the steps that verified drafts (a drafted block not verified was declined). Every
+auto output is checked against plain decoding's."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -31,8 +36,9 @@ def prompt_length(capacity: int) -> int:
     return 40 if capacity < 1024 else 900
 
 
-def time_in_this_process(target: str, drafter: str, capacity: int, rounds: int) -> dict:
-    """Medians of `rounds - 1` timed generations of plain decoding and of pinned-plain `auto` -> ms per token."""
+def time_in_this_process(target: str, drafter: str, capacity: int, rounds: int, prompt: str | None = None) -> dict:
+    """Medians of `rounds - 1` timed generations of plain decoding, of pinned-plain `auto` and of `auto` with its own
+    cost table -> ms per token, with the last generation's counts of the latter."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -45,23 +51,22 @@ def time_in_this_process(target: str, drafter: str, capacity: int, rounds: int) 
 
     spec = load_target_spec(target, None, 0)
     config, params = spec.config, spec.params
-    ids = [[int(t) for t in np.random.default_rng(0).integers(1, config.vocab_size, prompt_length(capacity))]]
+    if prompt is None:
+        ids = [[int(t) for t in np.random.default_rng(0).integers(1, config.vocab_size, prompt_length(capacity))]]
+    else:
+        ids = [spec.encoder.encode_chat([{"role": "user", "content": prompt}])]
     tokens, lengths = (jnp.asarray(x) for x in pad_batch(ids, 0))
     drafter_cfg = drafter_config(drafter, config, spec.recipe)
     drafter_params, vocab = load_drafter(drafter, drafter_cfg, params, ids)
-    policy = AdaptivePolicy.for_drafts(drafter_cfg.num_drafts)
+    drafter_cfg, policy = AdaptivePolicy.auto_drafting(drafter_cfg)
     kw = dict(max_new_tokens=NEW_TOKENS, sampling=SamplingConfig(), eos_ids=(), pad_id=0, seed=0)
+    bundle = Bundle(params, config, drafter_params, drafter_cfg, vocab)
     engines = {
         "plain": compile_autoregressive(params, config, tokens, lengths, capacity, **kw),
         "auto": compile_speculative(
-            Bundle(params, config, drafter_params, drafter_cfg, vocab),
-            tokens,
-            lengths,
-            capacity,
-            **kw,
-            policy=policy,
-            costs=np.asarray(pinned_costs(policy, 0)),
+            bundle, tokens, lengths, capacity, **kw, policy=policy, costs=np.asarray(pinned_costs(policy, 0))
         ),
+        "own": compile_speculative(bundle, tokens, lengths, capacity, **kw, policy=policy),
     }
     seconds: dict[str, list[float]] = {name: [] for name in engines}
     outputs = {}
@@ -75,15 +80,23 @@ def time_in_this_process(target: str, drafter: str, capacity: int, rounds: int) 
             if r:
                 seconds[name].append(time.perf_counter() - start)
             outputs[name] = engine.view(carry)
-    plain_tokens, auto_view = outputs["plain"][0], outputs["auto"]
+            engine.finish(carry)  # the next generation starts from what this one learnt, as in eval.generate
+    plain_tokens, auto_view, own_stats = outputs["plain"][0], outputs["auto"], outputs["own"][3]
     steps = int(np.asarray(auto_view[3].steps).sum())
     plain_share = float(np.asarray(auto_view[3].chosen)[:, 0].sum()) / max(steps, 1)
     per_token = {name: 1000 * statistics.median(s) / (NEW_TOKENS - 1) for name, s in seconds.items()}
     return {
         "plain_ms": per_token["plain"],
         "auto_ms": per_token["auto"],
-        "identical": bool(np.array_equal(plain_tokens, auto_view[0])),
+        "own_ms": per_token["own"],
+        "identical": bool(
+            np.array_equal(plain_tokens, auto_view[0]) and np.array_equal(plain_tokens, outputs["own"][0])
+        ),
         "plain_share": plain_share,
+        "prompt_tokens": len(ids[0]),
+        "drafted": int(np.asarray(own_stats.drafted).sum()),
+        "verified": int(np.asarray(own_stats.chosen)[:, 1:].sum()),
+        "tau": own_stats.tau(),
     }
 
 
@@ -94,58 +107,71 @@ def main(argv=None):
     parser.add_argument("--capacity", type=int, action="append", help="cache rows (repeatable; default 256, 2048)")
     parser.add_argument("--processes", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--prompt", help="a chat prompt instead of random token ids")
     parser.add_argument("--out", default="benchmarks/results/plain_steps.md")
     parser.add_argument("--in-process", action="store_true", help="time one capacity here and print JSON")
     args = parser.parse_args(argv)
     capacities = args.capacity or [256, 2048]
     if args.in_process:
-        print(json.dumps(time_in_this_process(args.target, args.drafter, capacities[0], args.rounds)))
+        print(json.dumps(time_in_this_process(args.target, args.drafter, capacities[0], args.rounds, args.prompt)))
         return
     rows = {c: [] for c in capacities}
     for p in range(args.processes):
         for capacity in capacities:
             cmd = [sys.executable, "-m", "benchmarks.plain_steps", "--in-process", "--target", args.target]
             cmd += ["--drafter", args.drafter, "--capacity", str(capacity), "--rounds", str(args.rounds)]
+            cmd += [] if args.prompt is None else ["--prompt", args.prompt]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode:
                 raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
             result = json.loads(done.stdout.strip().splitlines()[-1])
             rows[capacity].append(result)
-            ratio = result["auto_ms"] / result["plain_ms"]
             print(
                 f"process {p + 1} capacity {capacity}: plain {result['plain_ms']:.2f} ms/token, auto (plain steps) "
-                f"{result['auto_ms']:.2f}, auto/plain {ratio:.3f}",
+                f"{result['auto_ms']:.2f} ({result['auto_ms'] / result['plain_ms']:.3f}x), auto (own table) "
+                f"{result['own_ms']:.2f} ({result['own_ms'] / result['plain_ms']:.3f}x; drafted {result['drafted']}, "
+                f"verified {result['verified']}, tau {result['tau']:.2f})",
                 flush=True,
             )
     command = (
         f"python -m benchmarks.plain_steps --processes {args.processes} --rounds {args.rounds} --drafter {args.drafter}"
     )
     command += "".join(f" --capacity {c}" for c in capacities)
+    command += "" if args.prompt is None else f" --prompt {shlex.quote(args.prompt)}"
+    prompt = "random prompts" if args.prompt is None else "the prompt in the chat template"
     lines = [
-        "# A plain step under `--k auto` against a plain decoding step",
+        "# A plain step under `--k auto` against a plain decoding step, and what drafting adds",
         "",
         f"CPU: {cpu_model()}, {os.cpu_count()} cores. Command: `{command}`. {args.target}, batch 1, greedy,"
-        f" {NEW_TOKENS} new tokens; `auto` with its cost table pinned to plain steps (drafter {args.drafter} never"
-        f" runs); per process the medians of {args.rounds - 1} timed generations of each, alternating.",
+        f" {NEW_TOKENS} new tokens, {prompt}; `pinned`: `auto` with its cost table pinned to plain steps (drafter"
+        f" {args.drafter} never runs); `own`: `auto` with its own cost table, drafting where the policy wants;"
+        f" per process the medians of {args.rounds - 1} timed generations of each, alternating; drafted / verified:"
+        " blocks the drafter drafted and steps that verified drafts in `own`'s last generation.",
         "",
-        "| capacity | prompt | process | plain ms/token | auto ms/token | auto / plain | plain steps | identical |",
-        "|---|---|---|---|---|---|---|---|",
+        "| capacity | prompt tokens | process | plain ms/token | pinned ms/token | pinned / plain | plain steps "
+        "| own ms/token | own / plain | own / pinned | drafted | verified | tau | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for capacity, results in rows.items():
         for p, r in enumerate(results, start=1):
             lines.append(
-                f"| {capacity} | {prompt_length(capacity)} | {p} | {r['plain_ms']:.2f} | {r['auto_ms']:.2f} | "
-                f"{r['auto_ms'] / r['plain_ms']:.3f} | {r['plain_share']:.2f} | {r['identical']} |"
+                f"| {capacity} | {r['prompt_tokens']} | {p} | {r['plain_ms']:.2f} | {r['auto_ms']:.2f} | "
+                f"{r['auto_ms'] / r['plain_ms']:.3f} | {r['plain_share']:.2f} | {r['own_ms']:.2f} | "
+                f"{r['own_ms'] / r['plain_ms']:.3f} | {r['own_ms'] / r['auto_ms']:.3f} | {r['drafted']} | "
+                f"{r['verified']} | {r['tau']:.2f} | {r['identical']} |"
             )
-    lines += ["", "| capacity | auto / plain, mean | median | lowest | highest | plain ms/token, lowest - highest |"]
-    lines.append("|---|---|---|---|---|---|")
+    lines += ["", "| capacity | ratio | mean | median | lowest | highest |", "|---|---|---|---|---|---|"]
     for capacity, results in rows.items():
-        ratios = [r["auto_ms"] / r["plain_ms"] for r in results]
-        plain = [r["plain_ms"] for r in results]
-        lines.append(
-            f"| {capacity} | {statistics.mean(ratios):.3f} | {statistics.median(ratios):.3f} | {min(ratios):.3f} | "
-            f"{max(ratios):.3f} | {min(plain):.2f} - {max(plain):.2f} |"
-        )
+        for name, value in (
+            ("pinned / plain", lambda r: r["auto_ms"] / r["plain_ms"]),
+            ("own / plain", lambda r: r["own_ms"] / r["plain_ms"]),
+            ("plain ms/token", lambda r: r["plain_ms"]),
+        ):
+            values = [value(r) for r in results]
+            lines.append(
+                f"| {capacity} | {name} | {statistics.mean(values):.3f} | {statistics.median(values):.3f} | "
+                f"{min(values):.3f} | {max(values):.3f} |"
+            )
     write_report(args.out, lines)
 
 

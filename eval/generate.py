@@ -181,6 +181,8 @@ def plan(args) -> Request:
     if args.drafter is not None:
         recipe = args.recipe or DEFAULT_RECIPES.get(args.target)
         drafter = drafter_config(args.drafter, target, recipe, args.k if isinstance(args.k, int) else None)
+        if not isinstance(args.k, int):
+            drafter = AdaptivePolicy.auto_drafting(drafter)[0]
     longest = max(len(p) for p in ids)
     check_context(target, longest, args.max_new_tokens)
     lookahead = drafter.num_drafts + 1 if drafter else 0
@@ -196,7 +198,8 @@ def plan(args) -> Request:
 
 
 def drafting_policy(args, drafter) -> AdaptivePolicy | None:
-    """The adaptive policy up to the drafter's k for `--k auto` (the default), None for a fixed `--k N`."""
+    """The adaptive policy up to the drafter's k (`plan` cut it for `--k auto`, the default: `auto_drafting`), None
+    for a fixed `--k N`."""
     return None if isinstance(args.k, int) else AdaptivePolicy.for_drafts(drafter.num_drafts)
 
 

@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=parse_ks,
         default=None,
         help=f"drafted tokens per step, comma-separated (e.g. auto,2,7): every drafter runs at each, 1..{MAX_K} "
-        "or auto (chosen per step up to the drafter's k; default: each drafter's own k)",
+        "or auto (chosen per step up to the drafter's k, at most 3 on CPU; default: each drafter's own k)",
     )
     parser.add_argument("--tasks", default="all", help="all, or a comma-separated list such as math,code")
     parser.add_argument(
@@ -115,7 +115,7 @@ class Method(NamedTuple):
     name: str
     drafter: tuple | None  # (config, params, vocab); None for plain decoding
     lookahead: int  # cache rows a step needs beyond the committed ones (k + 1; 0 for plain decoding)
-    policy: AdaptivePolicy | None = None  # k=auto: the adaptive draft length up to the drafter's k
+    policy: AdaptivePolicy | None = None  # k=auto: the adaptive draft length up to the (cut) drafter's k
 
 
 def load_methods(
@@ -126,17 +126,19 @@ def load_methods(
 ) -> list[Method]:
     """Plain decoding, then one method per drafter spec (a checkpoint directory or random:<kind>; a random drafter's
     vocabulary comes from `prompt_ids`) and per draft length in `ks` (named `SPEC k=K`; None: the drafter's own k,
-    named `SPEC`; auto: `SPEC k=auto`, the adaptive policy up to the drafter's own k). A shorter k drafts a shorter
-    block with the same weights: the H-Spec kinds, causal inside the block, propose the same first k tokens as with
-    their full block; DFlash and DSpark, bidirectional, propose other (still verified) ones."""
+    named `SPEC`; auto: `SPEC k=auto`, the adaptive policy up to the drafter's own k, cut to 3 on CPU:
+    `AdaptivePolicy.auto_drafting`). A shorter k drafts a shorter block with the same weights: the H-Spec kinds,
+    causal inside the block, propose the same first k tokens as with their full block; DFlash and DSpark,
+    bidirectional, propose other (still verified) ones."""
     methods = [Method(PLAIN, None, 0)]
     for spec in drafters:
         config = drafter_config(spec, target.config, target.recipe)
         params, vocab = load_drafter(spec, config, target.params, prompt_ids)
         for k in ks or (None,):
-            sized = config.with_drafts(k) if isinstance(k, int) else config
+            sized, policy = config.with_drafts(k) if isinstance(k, int) else config, None
+            if k == AUTO:
+                sized, policy = AdaptivePolicy.auto_drafting(config)
             name = portable(spec) if k is None else f"{portable(spec)} k={k}"
-            policy = AdaptivePolicy.for_drafts(config.num_drafts) if k == AUTO else None
             methods.append(Method(name, (sized, params, vocab), sized.num_drafts + 1, policy))
     return methods
 

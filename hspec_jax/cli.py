@@ -147,7 +147,8 @@ def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
         "--k",
         type=draft_length,
         default=None,
-        help=f"drafted tokens per step, 1..{MAX_K}, or auto: chosen per step up to the drafter's k (the default)",
+        help=f"drafted tokens per step, 1..{MAX_K}, or auto: chosen per step up to the drafter's k, at most 3 on CPU "
+        "(the default)",
     )
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from test_speculative import (
     EOS,
+    RECIPE,
     TARGET,
     assert_follows,
     bigram_target,
@@ -56,6 +57,7 @@ from hspec_jax.decoding.speculative import (
 from hspec_jax.drafters.dflash import drafter_context
 from hspec_jax.models import init_cache
 from hspec_jax.models.layers import for_backend, pack_linear_layers
+from hspec_jax.recipes import drafter_from_recipe
 
 POLICY = AdaptivePolicy(choices=(0, 1, 2, 4, 7))
 CPU_LIKE = jnp.array([1.0, 1.3, 1.45, 1.7, 2.2])  # T(k) / T(0) for k = 0, 1, 2, 4, 7, as on a 2-core CPU
@@ -74,6 +76,20 @@ def test_choices_and_expected_yield():
     assert AdaptivePolicy.for_drafts(7, "cpu").choices == (0, 3, 7)
     assert AdaptivePolicy.for_drafts(3, "cpu").choices == (0, 3)
     assert AdaptivePolicy.for_drafts(7).choices == (0, 3, 7)  # this suite runs on CPU
+
+
+def test_auto_cuts_the_drafter_to_the_longest_draft_of_its_platform():
+    """On CPU `auto` verifies at most 3 drafts, so the drafter drafts 3 (a cut H-Spec block proposes the same first
+    tokens); accelerators keep the drafter's k, and a drafter of fewer drafts is left as it is."""
+    drafter = drafter_from_recipe(RECIPE, "hspec", TARGET)
+    assert drafter.num_drafts == 7
+    cut, policy = AdaptivePolicy.auto_drafting(drafter, "cpu")
+    assert cut.num_drafts == 3 and policy.choices == (0, 3) and cut == drafter.with_drafts(3)
+    kept, policy = AdaptivePolicy.auto_drafting(drafter, "gpu", probe_every=16)
+    assert kept is drafter and policy.choices == (0, 1, 2, 4, 7) and policy.probe_every == 16
+    short = drafter.with_drafts(2)
+    assert AdaptivePolicy.auto_drafting(short, "cpu") == (short, AdaptivePolicy(choices=(0, 2)))
+    assert AdaptivePolicy.auto_drafting(drafter)[0].num_drafts == 3  # this suite runs on CPU
     a = jnp.array([[0.5, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0]])
     np.testing.assert_allclose(expected_yield(a, POLICY.choices), [[1.0, 1.5, 1.75, 2.25, 3.0]])
     assert int(best_choice(a, CPU_LIKE, POLICY.choices)[0]) == 4  # 3.0 / 2.2 beats 1.5 / 1.3 and 1 / 1

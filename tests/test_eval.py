@@ -214,7 +214,8 @@ def test_eval_main_runs_each_drafter_at_each_k(tmp_path, monkeypatch):
         )
         assert r["call_seconds"] - r["call_prefill_seconds"] == pytest.approx(np.median(wall - prefill), abs=1e-5)
         if r["method"] == "random:hspec k=auto":
-            assert r["identical"] and len(r["k_steps"]) == 8 and sum(r["k_steps"]) == r["steps"]
+            # On CPU `auto` cuts the drafter's 7 drafts to 3 (AdaptivePolicy.auto_drafting): k_steps for 0..3.
+            assert r["identical"] and len(r["k_steps"]) == 4 and sum(r["k_steps"]) == r["steps"]
             assert sum(r["k_steps"][1:]) <= r["drafted"] <= r["steps"]
         elif r["method"] != "plain":
             k = int(r["method"][-1])

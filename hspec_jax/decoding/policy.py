@@ -3,8 +3,9 @@
 A step that drafts k tokens costs T(k) (drafting + verifying k + 1 positions; T(0) = one plain step, the drafter
 not called) and yields 1 + sum_{j<=k} prod_{i<=j} a_i tokens, with a_i the conditional acceptance of slot i.
 Each step takes the k among the compiled choices (`AdaptivePolicy.for_drafts`: by default 0, 1, 2, 4, 7 on
-accelerators, 0, 3, 7 on CPU) that maximises yield / cost. The costs `[C]` are T(k) / T(0), measured on the device
-(`costs.py`), a traced array: a new table needs no recompilation.
+accelerators; 0, 3 on CPU, where `auto_drafting` cuts the drafter to 3 drafts) that maximises yield / cost. The
+costs `[C]` are T(k) / T(0), measured on the device (`costs.py`), a traced array: a new table needs no
+recompilation.
 
 Acceptance estimates, per sequence and slot i (all in the loop state, `PolicyState`):
 
@@ -87,6 +88,14 @@ import jax.numpy as jnp
 # rows there only at large batches, where they can pay.
 SHORT_DRAFTS = {"cpu": (3,), "default": (1, 2, 4)}
 
+# The longest draft `auto` verifies, per platform (absent: the drafter's k); `auto_drafting` cuts the drafter to it.
+# On CPU a step verifying 7 drafts costs 1.8-1.9 plain steps against 1.5 for 3 (Intel Xeon; 1.4 against 1.2 on an
+# AMD EPYC with AVX-512), so 7 pays over 3 only where nearly every draft is accepted: with `smollm2-hspec-cut` the
+# policy chose 7 on 0-3% of steps (benchmarks/results/whole_runs_intel_xeon.md, eval_smollm2_auto_v10). Drafting 3
+# slots instead of 7 then makes every drafting step cheaper (a drafted block of 3 instead of 7), the loop compiles one
+# verification less and the cost table measures one choice less (results/longest_draft.md).
+LONGEST_DRAFT = {"cpu": 3}
+
 
 @dataclasses.dataclass(frozen=True)
 class AdaptivePolicy:
@@ -131,6 +140,17 @@ class AdaptivePolicy:
         `SHORT_DRAFTS` of that platform below k, then k, after 0."""
         short = SHORT_DRAFTS.get(platform or jax.default_backend(), SHORT_DRAFTS["default"])
         return cls(choices=tuple(sorted({c for c in short if c < k} | {0, k})), **settings)
+
+    @classmethod
+    def auto_drafting(cls, drafter, platform: str | None = None, **settings):
+        """`--k auto` for `drafter` (a DrafterConfig) on `platform` (default: JAX's default backend) -> (the drafter
+        cut to the longest draft `auto` verifies there, `LONGEST_DRAFT`; the policy for it, `for_drafts`). A cut
+        H-Spec block drafts the same first tokens as the whole one (causal inside the block); DFlash's and DSpark's
+        differ (bidirectional), still verified."""
+        limit = LONGEST_DRAFT.get(platform or jax.default_backend(), drafter.num_drafts)
+        if drafter.num_drafts > limit:
+            drafter = drafter.with_drafts(limit)
+        return drafter, cls.for_drafts(drafter.num_drafts, platform, **settings)
 
     @property
     def max_drafts(self) -> int:

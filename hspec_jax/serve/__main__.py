@@ -119,9 +119,10 @@ def build(args):
     if args.drafter is not None:
         fixed = args.k if isinstance(args.k, int) else None
         drafter = drafter_config(args.drafter, target.config, target.recipe, fixed)
+        if not fixed:
+            drafter, policy = AdaptivePolicy.auto_drafting(drafter)
         params, vocab = load_drafter(args.drafter, drafter, target.params, [warm])
         bundle = Bundle(target.params, target.config, params, drafter, vocab)
-        policy = None if fixed else AdaptivePolicy.for_drafts(drafter.num_drafts)
         draft_lengths = policy.choices if policy else (drafter.num_drafts,)
     config = ServingConfig(
         slots=args.slots,
