@@ -91,9 +91,10 @@ SHORT_DRAFTS = {"cpu": (3,), "default": (1, 2, 4)}
 # The longest draft `auto` verifies, per platform (absent: the drafter's k); `auto_drafting` cuts the drafter to it.
 # On CPU a step verifying 7 drafts costs 1.8-1.9 plain steps against 1.5 for 3 (Intel Xeon; 1.4 against 1.2 on an
 # AMD EPYC with AVX-512), so 7 pays over 3 only where nearly every draft is accepted: with `smollm2-hspec-cut` the
-# policy chose 7 on 0-3% of steps (benchmarks/results/whole_runs_intel_xeon.md, eval_smollm2_auto_v10). Drafting 3
-# slots instead of 7 then makes every drafting step cheaper (a drafted block of 3 instead of 7), the loop compiles one
-# verification less and the cost table measures one choice less (results/longest_draft.md).
+# policy chose 7 on 0-3% of steps (benchmarks/results/whole_runs_intel_xeon.md, eval_smollm2_auto_v10). Without it
+# the loop compiles one verification less and the first-use cost table times one choice less: `eval.startup` from an
+# empty cache took 19.9 s instead of 23.8 s on an Intel Xeon (results/startup_intel_xeon.md). A block of 3 drafted as
+# 3 slots costs about what 7 slots do there (T(3)/T(0) 1.56 against 1.55), 4% less on the AMD EPYC (draft_width.md).
 LONGEST_DRAFT = {"cpu": 3}
 
 
