@@ -4,16 +4,19 @@ in several fresh processes.
     python -m benchmarks.plain_steps [--processes 6] [--capacity 256 --capacity 2048] [--rounds 7]
         [--drafter random:hspec] [--prompt "..."] [--out benchmarks/results/plain_steps.md]
 
-Each process loads the embedded SmolLM2 target and compiles plain decoding and two `--k auto` engines: one whose
+Each process loads the embedded SmolLM2 target and compiles plain decoding and three `--k auto` engines: one whose
 cost table is pinned to plain steps (`policy.pinned_costs`: every step verifies one token, the drafter never runs),
-one with its own table (measured at first use on this machine, or read from the user cache) that drafts where the
-policy wants. It times 64-token generations (batch 1, greedy; a random prompt of 40 tokens at capacity 256, of 900
-from capacity 1024 on, or `--prompt` in the target's chat template) of the three in `--rounds` rounds, the order
-reversed every other round, the first round untimed. pinned / plain is the ratio of the medians in that process:
-its spread over processes is the noise a single comparison carries on this machine (the absolute speed of one and
-the same program moves between processes too). own / pinned is what the drafting itself costs or gains, with the
-blocks the drafter drafted and the steps that verified drafts (a drafted block not verified was declined). Every
-auto output is checked against plain decoding's."""
+and two with their own table (measured at first use on this machine, or read from the user cache) that draft where
+the policy wants: `own` hands what each generation learnt of the drafter on to the next (as `eval.generate` does
+between its runs and a server between requests), `first` starts every generation from the policy's first prior (as
+the first answer of a process does). It times 64-token generations (batch 1, greedy; a random prompt of 40 tokens at
+capacity 256, of 900 from capacity 1024 on, or `--prompt` in the target's chat template) of the four in `--rounds`
+rounds, the order reversed every other round, the first round untimed. pinned / plain is the ratio of the medians in
+that process: its spread over processes is the noise a single comparison carries on this machine (the absolute speed
+of one and the same program moves between processes too). own / pinned is what the drafting itself costs or gains,
+with the blocks the drafter drafted and the steps that verified drafts (a drafted block not verified was declined);
+first / own is what an answer pays for starting before the policy has learnt the drafter. Every auto output is
+checked against plain decoding's."""
 
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ def time_in_this_process(target: str, drafter: str, capacity: int, rounds: int, 
             bundle, tokens, lengths, capacity, **kw, policy=policy, costs=np.asarray(pinned_costs(policy, 0))
         ),
         "own": compile_speculative(bundle, tokens, lengths, capacity, **kw, policy=policy),
+        "first": compile_speculative(bundle, tokens, lengths, capacity, **kw, policy=policy),
     }
     seconds: dict[str, list[float]] = {name: [] for name in engines}
     outputs = {}
@@ -80,8 +84,13 @@ def time_in_this_process(target: str, drafter: str, capacity: int, rounds: int, 
             if r:
                 seconds[name].append(time.perf_counter() - start)
             outputs[name] = engine.view(carry)
-            engine.finish(carry)  # the next generation starts from what this one learnt, as in eval.generate
-    plain_tokens, auto_view, own_stats = outputs["plain"][0], outputs["auto"], outputs["own"][3]
+            if name != "first":
+                engine.finish(carry)  # the next generation starts from what this one learnt, as in eval.generate
+    plain_tokens, auto_view, own_stats, first_stats = (
+        outputs["plain"][0],
+        outputs["auto"],
+        *(outputs[name][3] for name in ("own", "first")),
+    )
     steps = int(np.asarray(auto_view[3].steps).sum())
     plain_share = float(np.asarray(auto_view[3].chosen)[:, 0].sum()) / max(steps, 1)
     per_token = {name: 1000 * statistics.median(s) / (NEW_TOKENS - 1) for name, s in seconds.items()}
@@ -89,14 +98,15 @@ def time_in_this_process(target: str, drafter: str, capacity: int, rounds: int, 
         "plain_ms": per_token["plain"],
         "auto_ms": per_token["auto"],
         "own_ms": per_token["own"],
-        "identical": bool(
-            np.array_equal(plain_tokens, auto_view[0]) and np.array_equal(plain_tokens, outputs["own"][0])
-        ),
+        "first_ms": per_token["first"],
+        "identical": all(np.array_equal(plain_tokens, outputs[name][0]) for name in ("auto", "own", "first")),
         "plain_share": plain_share,
         "prompt_tokens": len(ids[0]),
         "drafted": int(np.asarray(own_stats.drafted).sum()),
         "verified": int(np.asarray(own_stats.chosen)[:, 1:].sum()),
         "tau": own_stats.tau(),
+        "first_drafted": int(np.asarray(first_stats.drafted).sum()),
+        "first_verified": int(np.asarray(first_stats.chosen)[:, 1:].sum()),
     }
 
 
@@ -130,7 +140,9 @@ def main(argv=None):
                 f"process {p + 1} capacity {capacity}: plain {result['plain_ms']:.2f} ms/token, auto (plain steps) "
                 f"{result['auto_ms']:.2f} ({result['auto_ms'] / result['plain_ms']:.3f}x), auto (own table) "
                 f"{result['own_ms']:.2f} ({result['own_ms'] / result['plain_ms']:.3f}x; drafted {result['drafted']}, "
-                f"verified {result['verified']}, tau {result['tau']:.2f})",
+                f"verified {result['verified']}, tau {result['tau']:.2f}), auto (first prior) {result['first_ms']:.2f} "
+                f"({result['first_ms'] / result['plain_ms']:.3f}x; drafted {result['first_drafted']}, verified "
+                f"{result['first_verified']})",
                 flush=True,
             )
     command = (
@@ -144,13 +156,15 @@ def main(argv=None):
         "",
         f"CPU: {cpu_model()}, {os.cpu_count()} cores. Command: `{command}`. {args.target}, batch 1, greedy,"
         f" {NEW_TOKENS} new tokens, {prompt}; `pinned`: `auto` with its cost table pinned to plain steps (drafter"
-        f" {args.drafter} never runs); `own`: `auto` with its own cost table, drafting where the policy wants;"
-        f" per process the medians of {args.rounds - 1} timed generations of each, alternating; drafted / verified:"
-        " blocks the drafter drafted and steps that verified drafts in `own`'s last generation.",
+        f" {args.drafter} never runs); `own`: `auto` with its own cost table, drafting where the policy wants, each"
+        " generation starting from what the last one learnt; `first`: the same, every generation from the policy's"
+        f" first prior; per process the medians of {args.rounds - 1} timed generations of each, alternating; drafted"
+        " / verified: blocks the drafter drafted and steps that verified drafts in the last generation.",
         "",
         "| capacity | prompt tokens | process | plain ms/token | pinned ms/token | pinned / plain | plain steps "
-        "| own ms/token | own / plain | own / pinned | drafted | verified | tau | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| own ms/token | own / plain | own / pinned | drafted | verified | tau | first / plain | first: drafted "
+        "/ verified | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for capacity, results in rows.items():
         for p, r in enumerate(results, start=1):
@@ -158,13 +172,15 @@ def main(argv=None):
                 f"| {capacity} | {r['prompt_tokens']} | {p} | {r['plain_ms']:.2f} | {r['auto_ms']:.2f} | "
                 f"{r['auto_ms'] / r['plain_ms']:.3f} | {r['plain_share']:.2f} | {r['own_ms']:.2f} | "
                 f"{r['own_ms'] / r['plain_ms']:.3f} | {r['own_ms'] / r['auto_ms']:.3f} | {r['drafted']} | "
-                f"{r['verified']} | {r['tau']:.2f} | {r['identical']} |"
+                f"{r['verified']} | {r['tau']:.2f} | {r['first_ms'] / r['plain_ms']:.3f} | {r['first_drafted']} / "
+                f"{r['first_verified']} | {r['identical']} |"
             )
     lines += ["", "| capacity | ratio | mean | median | lowest | highest |", "|---|---|---|---|---|---|"]
     for capacity, results in rows.items():
         for name, value in (
             ("pinned / plain", lambda r: r["auto_ms"] / r["plain_ms"]),
             ("own / plain", lambda r: r["own_ms"] / r["plain_ms"]),
+            ("first / plain", lambda r: r["first_ms"] / r["plain_ms"]),
             ("plain ms/token", lambda r: r["plain_ms"]),
         ):
             values = [value(r) for r in results]

@@ -144,8 +144,8 @@ def test_drafter_ablation_without_the_seed_state_is_the_drafter_with_a_zero_seed
 
 def test_plain_steps_times_auto_pinned_to_plain_steps_in_a_fresh_process(tmp_path, monkeypatch):
     """A fresh process decodes the same tokens with plain decoding, with `auto` held to plain steps (the drafter
-    never runs) and with `auto` on its own cost table; the report gives its row, the drafter's blocks, and the
-    spread of each ratio."""
+    never runs) and with `auto` on its own cost table, learning across generations or from its first prior each
+    time; the report gives its row, the drafter's blocks, and the spread of each ratio."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the fresh process measures its own table
     out = tmp_path / "plain_steps.md"
     argv = ["--target", "random:tiny", "--processes", "1", "--capacity", "128", "--rounds", "2", "--out", str(out)]
@@ -154,11 +154,13 @@ def test_plain_steps_times_auto_pinned_to_plain_steps_in_a_fresh_process(tmp_pat
     rows = [line.strip("| ").split(" | ") for line in text.splitlines() if line.startswith("| 128 | 40 |")]
     assert [row[2] for row in rows] == ["1"]
     plain, pinned, share, own, drafted, verified = (rows[0][i] for i in (3, 4, 6, 7, 10, 11))
-    assert share == "1.00" and rows[0][13] == "True"
+    assert share == "1.00" and rows[0][15] == "True"
+    first_drafted, first_verified = (int(x) for x in rows[0][14].split(" / "))
+    assert 0 <= first_verified <= first_drafted <= 64 and float(rows[0][13]) > 0
     assert float(plain) > 0 and float(pinned) > 0 and float(own) > 0
     assert 0 <= int(verified) <= int(drafted) <= 64
     summary = text.split("| ratio | mean |")[1]
-    assert "| 128 | pinned / plain |" in summary and "| 128 | own / plain |" in summary
+    assert all(f"| 128 | {name} |" in summary for name in ("pinned / plain", "own / plain", "first / plain"))
 
 
 def test_whole_runs_alternates_plain_and_drafter_processes_on_a_tasks_prompts(tmp_path, monkeypatch):
