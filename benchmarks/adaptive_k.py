@@ -36,7 +36,7 @@ from hspec_jax.decoding.engine import (
     generate_streaming,
     stop_ids,
 )
-from hspec_jax.decoding.policy import AdaptivePolicy
+from hspec_jax.decoding.policy import drafting
 from hspec_jax.drafter_spec import DEFAULT_RECIPES, drafter_config, load_drafter
 from hspec_jax.machine import cpu_model
 
@@ -78,9 +78,7 @@ def main(argv=None) -> None:
         base = drafter_config(spec, target, DEFAULT_RECIPES["smollm2"])
         dparams, vocab = load_drafter(spec, base, params, ids)
         for k in args.k:
-            config, policy = base.with_drafts(k) if isinstance(k, int) else base, None
-            if k == AUTO:
-                config, policy = AdaptivePolicy.auto_drafting(base)
+            config, policy = drafting(base, k)
             name = f"{spec} k={k}"
             print(f"compiling {name} ...", flush=True)
             bundle = Bundle(params, target, dparams, config, vocab)

@@ -66,7 +66,7 @@ def time_in_this_process(target: str, drafter: str, capacity: int, rounds: int, 
     bundle = Bundle(params, config, drafter_params, drafter_cfg, vocab)
     engines = {
         "plain": compile_autoregressive(params, config, tokens, lengths, capacity, **kw),
-        "auto": compile_speculative(
+        "pinned": compile_speculative(
             bundle, tokens, lengths, capacity, **kw, policy=policy, costs=np.asarray(pinned_costs(policy, 0))
         ),
         "own": compile_speculative(bundle, tokens, lengths, capacity, **kw, policy=policy),
@@ -86,20 +86,20 @@ def time_in_this_process(target: str, drafter: str, capacity: int, rounds: int, 
             outputs[name] = engine.view(carry)
             if name != "first":
                 engine.finish(carry)  # the next generation starts from what this one learnt, as in eval.generate
-    plain_tokens, auto_view, own_stats, first_stats = (
+    plain_tokens, pinned_view, own_stats, first_stats = (
         outputs["plain"][0],
-        outputs["auto"],
+        outputs["pinned"],
         *(outputs[name][3] for name in ("own", "first")),
     )
-    steps = int(np.asarray(auto_view[3].steps).sum())
-    plain_share = float(np.asarray(auto_view[3].chosen)[:, 0].sum()) / max(steps, 1)
+    steps = int(np.asarray(pinned_view[3].steps).sum())
+    plain_share = float(np.asarray(pinned_view[3].chosen)[:, 0].sum()) / max(steps, 1)
     per_token = {name: 1000 * statistics.median(s) / (NEW_TOKENS - 1) for name, s in seconds.items()}
     return {
         "plain_ms": per_token["plain"],
-        "auto_ms": per_token["auto"],
+        "pinned_ms": per_token["pinned"],
         "own_ms": per_token["own"],
         "first_ms": per_token["first"],
-        "identical": all(np.array_equal(plain_tokens, outputs[name][0]) for name in ("auto", "own", "first")),
+        "identical": all(np.array_equal(plain_tokens, outputs[name][0]) for name in ("pinned", "own", "first")),
         "plain_share": plain_share,
         "prompt_tokens": len(ids[0]),
         "drafted": int(np.asarray(own_stats.drafted).sum()),
@@ -138,7 +138,7 @@ def main(argv=None):
             rows[capacity].append(result)
             print(
                 f"process {p + 1} capacity {capacity}: plain {result['plain_ms']:.2f} ms/token, auto (plain steps) "
-                f"{result['auto_ms']:.2f} ({result['auto_ms'] / result['plain_ms']:.3f}x), auto (own table) "
+                f"{result['pinned_ms']:.2f} ({result['pinned_ms'] / result['plain_ms']:.3f}x), auto (own table) "
                 f"{result['own_ms']:.2f} ({result['own_ms'] / result['plain_ms']:.3f}x; drafted {result['drafted']}, "
                 f"verified {result['verified']}, tau {result['tau']:.2f}), auto (first prior) {result['first_ms']:.2f} "
                 f"({result['first_ms'] / result['plain_ms']:.3f}x; drafted {result['first_drafted']}, verified "
@@ -169,16 +169,16 @@ def main(argv=None):
     for capacity, results in rows.items():
         for p, r in enumerate(results, start=1):
             lines.append(
-                f"| {capacity} | {r['prompt_tokens']} | {p} | {r['plain_ms']:.2f} | {r['auto_ms']:.2f} | "
-                f"{r['auto_ms'] / r['plain_ms']:.3f} | {r['plain_share']:.2f} | {r['own_ms']:.2f} | "
-                f"{r['own_ms'] / r['plain_ms']:.3f} | {r['own_ms'] / r['auto_ms']:.3f} | {r['drafted']} | "
+                f"| {capacity} | {r['prompt_tokens']} | {p} | {r['plain_ms']:.2f} | {r['pinned_ms']:.2f} | "
+                f"{r['pinned_ms'] / r['plain_ms']:.3f} | {r['plain_share']:.2f} | {r['own_ms']:.2f} | "
+                f"{r['own_ms'] / r['plain_ms']:.3f} | {r['own_ms'] / r['pinned_ms']:.3f} | {r['drafted']} | "
                 f"{r['verified']} | {r['tau']:.2f} | {r['first_ms'] / r['plain_ms']:.3f} | {r['first_drafted']} / "
                 f"{r['first_verified']} | {r['identical']} |"
             )
     lines += ["", "| capacity | ratio | mean | median | lowest | highest |", "|---|---|---|---|---|---|"]
     for capacity, results in rows.items():
         for name, value in (
-            ("pinned / plain", lambda r: r["auto_ms"] / r["plain_ms"]),
+            ("pinned / plain", lambda r: r["pinned_ms"] / r["plain_ms"]),
             ("own / plain", lambda r: r["own_ms"] / r["plain_ms"]),
             ("first / plain", lambda r: r["first_ms"] / r["plain_ms"]),
             ("plain ms/token", lambda r: r["plain_ms"]),

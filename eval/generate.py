@@ -52,6 +52,7 @@ from hspec_jax import parallel
 from hspec_jax.chat import chat_prompt_ids, text_ids
 from hspec_jax.checkpoints import load_target, load_tokenizer, read_target_config, resolve
 from hspec_jax.cli import (
+    AUTO,
     DEFAULT_COMPILE_CACHE,
     EXIT_INTERRUPTED,
     MAX_K,
@@ -84,7 +85,7 @@ from hspec_jax.decoding.limits import (
     tree_bytes,
 )
 from hspec_jax.decoding.placement import Placement
-from hspec_jax.decoding.policy import AdaptivePolicy
+from hspec_jax.decoding.policy import AdaptivePolicy, drafting
 from hspec_jax.drafter_spec import DEFAULT_RECIPES, check_drafter_spec, drafter_config, load_drafter
 from hspec_jax.drafters import drafter_param_shapes
 from hspec_jax.drafters.dflash import drafter_context
@@ -164,6 +165,7 @@ class Request(NamedTuple):
     tokenizer: object
     prompt_ids: list[list[int]]
     capacity: int
+    policy: AdaptivePolicy | None  # `--k auto` (the default with a drafter); None for a fixed `--k N`
 
 
 def plan(args) -> Request:
@@ -177,12 +179,11 @@ def plan(args) -> Request:
     top = max(max(p) for p in ids)
     if top >= target.vocab_size:
         raise InputError(f"the tokenizer gives id {top}, outside the model's vocabulary of {target.vocab_size}")
-    drafter = None
+    drafter, policy = None, None
     if args.drafter is not None:
         recipe = args.recipe or DEFAULT_RECIPES.get(args.target)
-        drafter = drafter_config(args.drafter, target, recipe, args.k if isinstance(args.k, int) else None)
-        if not isinstance(args.k, int):
-            drafter = AdaptivePolicy.auto_drafting(drafter)[0]
+        k = args.k if isinstance(args.k, int) else AUTO
+        drafter, policy = drafting(drafter_config(args.drafter, target, recipe), k)
     longest = max(len(p) for p in ids)
     check_context(target, longest, args.max_new_tokens)
     lookahead = drafter.num_drafts + 1 if drafter else 0
@@ -194,13 +195,7 @@ def plan(args) -> Request:
         extra["drafter"] = tree_bytes((weights, jax.eval_shape(lambda: drafter_context(drafter, len(ids), capacity))))
     devices = list(parallel.make_mesh(args.mesh).devices.flat)
     check_memory(memory_needed(target, len(ids), capacity, longest, extra), devices)
-    return Request(target, drafter, tokenizer, ids, capacity)
-
-
-def drafting_policy(args, drafter) -> AdaptivePolicy | None:
-    """The adaptive policy up to the drafter's k (`plan` cut it for `--k auto`, the default: `auto_drafting`), None
-    for a fixed `--k N`."""
-    return None if isinstance(args.k, int) else AdaptivePolicy.for_drafts(drafter.num_drafts)
+    return Request(target, drafter, tokenizer, ids, capacity, policy)
 
 
 def encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
@@ -397,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                 return EXIT_INTERRUPTED
         if request.drafter is not None:
             drafter_params, vocab = interrupt.wait_for(load_drafter, args.drafter, request.drafter, params, ids)
-            policy = drafting_policy(args, request.drafter)
+            policy = request.policy
             progress("compiling (and, for --k auto, measuring step costs once per machine and shape) ...")
             engines["spec"] = interrupt.wait_for(
                 compile_speculative,

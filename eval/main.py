@@ -62,7 +62,7 @@ from hspec_jax.cli import (
 from hspec_jax.decoding import Bundle, SamplingConfig, bucketed_shapes, pad_batch
 from hspec_jax.decoding.engine import compile_autoregressive, compile_speculative, generate_streaming
 from hspec_jax.decoding.placement import Placement
-from hspec_jax.decoding.policy import AdaptivePolicy
+from hspec_jax.decoding.policy import AdaptivePolicy, drafting
 from hspec_jax.drafter_spec import drafter_config, load_drafter
 from hspec_jax.machine import machine_facts
 from hspec_jax.models import check_capacity
@@ -127,7 +127,7 @@ def load_methods(
     """Plain decoding, then one method per drafter spec (a checkpoint directory or random:<kind>; a random drafter's
     vocabulary comes from `prompt_ids`) and per draft length in `ks` (named `SPEC k=K`; None: the drafter's own k,
     named `SPEC`; auto: `SPEC k=auto`, the adaptive policy up to the drafter's own k, cut to 3 on CPU:
-    `AdaptivePolicy.auto_drafting`). A shorter k drafts a shorter block with the same weights: the H-Spec kinds,
+    `policy.drafting`). A shorter k drafts a shorter block with the same weights: the H-Spec kinds,
     causal inside the block, propose the same first k tokens as with their full block; DFlash and DSpark,
     bidirectional, propose other (still verified) ones."""
     methods = [Method(PLAIN, None, 0)]
@@ -135,9 +135,7 @@ def load_methods(
         config = drafter_config(spec, target.config, target.recipe)
         params, vocab = load_drafter(spec, config, target.params, prompt_ids)
         for k in ks or (None,):
-            sized, policy = config.with_drafts(k) if isinstance(k, int) else config, None
-            if k == AUTO:
-                sized, policy = AdaptivePolicy.auto_drafting(config)
+            sized, policy = drafting(config, k)
             name = portable(spec) if k is None else f"{portable(spec)} k={k}"
             methods.append(Method(name, (sized, params, vocab), sized.num_drafts + 1, policy))
     return methods

@@ -43,9 +43,10 @@ def check_drafter_spec(spec: str, target_spec: str, recipe: str | None) -> None:
     read_drafter_config(spec)
 
 
-def drafter_config(spec: str, target, recipe: str | None = None, k: int | None = None):
-    """The config (no weights) of drafter `spec` for `target` (a TargetConfig), drafting `k` tokens per step (None:
-    its own k). `recipe` (a name or a configs/<name>.py file) builds `random:<kind>` drafters."""
+def drafter_config(spec: str, target, recipe: str | None = None):
+    """The config (no weights) of drafter `spec` for `target` (a TargetConfig), drafting its own k tokens per step
+    (`policy.drafting` sets another k or the adaptive policy). `recipe` (a name or a configs/<name>.py file) builds
+    `random:<kind>` drafters."""
     if spec.startswith(RANDOM):
         if recipe is None:
             raise InputError(f"a random drafter ({spec}) for this target needs a recipe")
@@ -55,7 +56,7 @@ def drafter_config(spec: str, target, recipe: str | None = None, k: int | None =
     try:
         check_target(config, target)
         config = config.replace(target=target)
-        return config if k is None else config.with_drafts(k)
+        return config
     except ValueError as e:
         raise InputError(f"--drafter {spec}: {e}") from None
 

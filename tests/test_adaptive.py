@@ -33,6 +33,7 @@ from hspec_jax.decoding.policy import (
     Prior,
     best_choice,
     draft_width,
+    drafting,
     expected_yield,
     first_prior,
     history_acceptance,
@@ -90,6 +91,9 @@ def test_auto_cuts_the_drafter_to_the_longest_draft_of_its_platform():
     short = drafter.with_drafts(2)
     assert AdaptivePolicy.auto_drafting(short, "cpu") == (short, AdaptivePolicy(choices=(0, 2)))
     assert AdaptivePolicy.auto_drafting(drafter)[0].num_drafts == 3  # this suite runs on CPU
+    # As the tools take `--k`: auto is that cut with its policy, a number that draft length, None the drafter's own.
+    assert drafting(drafter, "auto") == AdaptivePolicy.auto_drafting(drafter)
+    assert drafting(drafter, 2) == (drafter.with_drafts(2), None) and drafting(drafter, None) == (drafter, None)
     a = jnp.array([[0.5, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0]])
     np.testing.assert_allclose(expected_yield(a, POLICY.choices), [[1.0, 1.5, 1.75, 2.25, 3.0]])
     assert int(best_choice(a, CPU_LIKE, POLICY.choices)[0]) == 4  # 3.0 / 2.2 beats 1.5 / 1.3 and 1 / 1

@@ -77,6 +77,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from hspec_jax.cli import AUTO
+
 # The draft lengths below the drafter's k that `AdaptivePolicy.for_drafts` compiles, per platform. Every choice is a
 # target forward in the compiled loop and a column of the cost table measured at first use. On CPU the packed matmul
 # kernel multiplies rows in groups of 4 (AVX2) or 8 (AVX-512F), so verifying 2, 3 or 4 rows costs about what one row
@@ -165,6 +167,15 @@ class AdaptivePolicy:
     def drafted(self, width: jax.Array) -> jax.Array:
         """The index of the width a block is drafted at when decision 1 chose index `width` (0: none)."""
         return width if self.narrow else jnp.where(width > 0, len(self.choices) - 1, 0)
+
+
+def drafting(drafter, k: int | str | None) -> tuple:
+    """(drafter, policy) for a draft length `k` as the tools take it: an int drafts k tokens every step and None
+    the drafter's own k (policy None); `AUTO` chooses per step (`AdaptivePolicy.auto_drafting`: the drafter cut to
+    the platform's longest draft, and the policy for it)."""
+    if k == AUTO:
+        return AdaptivePolicy.auto_drafting(drafter)
+    return (drafter if k is None else drafter.with_drafts(k)), None
 
 
 # How far the prior moves towards the estimates of the sequences that just finished: a running mean over about the

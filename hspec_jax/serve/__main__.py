@@ -105,7 +105,7 @@ def check_args(args) -> None:
 def build(args):
     """Load the model(s), build and warm up the engine -> (worker, frontend)."""
     from hspec_jax.decoding import Bundle, SamplingConfig
-    from hspec_jax.decoding.policy import AdaptivePolicy
+    from hspec_jax.decoding.policy import drafting
     from hspec_jax.drafter_spec import drafter_config, load_drafter
     from hspec_jax.serve.app import Frontend, Served
     from hspec_jax.serve.metrics import Metrics
@@ -117,10 +117,8 @@ def build(args):
     warm = target.encoder.encode_chat([{"role": "user", "content": DEFAULT_WARM_UP}])
     policy, draft_lengths, bundle = None, None, Bundle(target.params, target.config)
     if args.drafter is not None:
-        fixed = args.k if isinstance(args.k, int) else None
-        drafter = drafter_config(args.drafter, target.config, target.recipe, fixed)
-        if not fixed:
-            drafter, policy = AdaptivePolicy.auto_drafting(drafter)
+        k = args.k if isinstance(args.k, int) else AUTO
+        drafter, policy = drafting(drafter_config(args.drafter, target.config, target.recipe), k)
         params, vocab = load_drafter(args.drafter, drafter, target.params, [warm])
         bundle = Bundle(target.params, target.config, params, drafter, vocab)
         draft_lengths = policy.choices if policy else (drafter.num_drafts,)
